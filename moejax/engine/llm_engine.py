@@ -1,0 +1,128 @@
+"""The engine loop: admit requests, run prefill or decode steps, detect finished sequences.
+
+Decode-only time and tokens are accumulated separately from prefill, so decode
+throughput can be reported without prefill time (as the reference numbers are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+from moejax.engine.block_manager import BlockManager
+from moejax.engine.model_runner import ModelRunner
+from moejax.engine.sampling_params import SamplingParams
+from moejax.engine.scheduler import Scheduler
+from moejax.engine.sequence import Sequence
+
+
+@dataclasses.dataclass
+class EngineStats:
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_time: float = 0.0
+
+    @property
+    def decode_throughput(self) -> float:
+        """Output tokens per second of decode steps alone."""
+        return self.decode_tokens / self.decode_time if self.decode_time else 0.0
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer, eos_token_ids: tuple[int, ...], max_prefill_tokens: int):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.scheduler = Scheduler(self.blocks, runner.max_num_seqs, max_prefill_tokens)
+        self.stats = EngineStats()
+        self._rng = random.Random()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id=None) -> Sequence:
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.runner.cfg.vocab_size
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; the maximum context length is {self.max_model_len}, "
+                             "which must leave room for at least one new token")
+        if self.blocks.blocks_needed(n + 1) > self.blocks.num_blocks:
+            raise ValueError(f"prompt has {n} tokens, more than the KV cache can hold")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        seq = Sequence(prompt_ids, params, seed, request_id)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.scheduler.abort(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> tuple[str, list[Sequence]]:
+        """Runs one prefill or decode step. Returns (kind, sequences that got a token)."""
+        kind, seqs = self.scheduler.schedule()
+        if kind == "idle":
+            return kind, []
+        t0 = time.perf_counter()
+        if kind == "prefill":
+            toks, lps = self.runner.prefill(seqs)
+        else:
+            toks, lps = self.runner.decode(seqs)
+        dt = time.perf_counter() - t0
+        if kind == "prefill":
+            self.stats.prefill_steps += 1
+            self.stats.prefill_tokens += sum(len(s) for s in seqs)
+            self.stats.prefill_time += dt
+        else:
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += len(seqs)
+            self.stats.decode_time += dt
+        for seq, tok, lp in zip(seqs, toks.tolist(), lps.tolist()):
+            self._append(seq, tok, lp)
+        if kind == "prefill":
+            self.scheduler.admitted(seqs)
+        return kind, seqs
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        p = seq.params
+        seq.token_ids.append(token)
+        if p.logprobs:
+            seq.logprobs.append(logprob)
+        reason = None
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_new_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        if p.stop and reason != "stop":
+            text = self.tokenizer.decode(seq.output_ids)
+            hits = [text.find(s) for s in p.stop if s in text]
+            if hits:
+                seq.text = text[:min(hits)]  # the stop string itself is not returned (as in vLLM)
+                reason = "stop"
+        if reason:
+            seq.finish_reason = reason
+            if not seq.text:
+                seq.text = self.tokenizer.decode(seq.output_ids)
+            self.scheduler.finish(seq)
+
+    def run_to_completion(self, seqs: list[Sequence], progress: bool = False) -> None:
+        from tqdm.auto import tqdm
+        total = sum(s.params.max_new_tokens for s in seqs)
+        with tqdm(total=total, desc="Generating", unit="tok", disable=not progress) as bar:
+            while any(not s.is_finished for s in seqs):
+                kind, stepped = self.step()
+                if kind == "idle":
+                    raise RuntimeError("engine is idle with unfinished sequences")
+                bar.update(len(stepped))

@@ -1,0 +1,50 @@
+"""Per-request sampling parameters, validated with errors that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self):
+        def check_num(name, v, lo, hi=None, integer=False):
+            ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
+            if not ok_type or isinstance(v, bool):
+                raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}")
+            if v < lo or (hi is not None and v > hi):
+                raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v!r}")
+
+        check_num("max_new_tokens", self.max_new_tokens, 1, integer=True)
+        check_num("temperature", self.temperature, 0.0, 100.0)
+        check_num("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        check_num("top_k", self.top_k, -1, integer=True)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.seed is not None:
+            check_num("seed", self.seed, 0, 2**63 - 1, integer=True)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(self.stop)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs must be a boolean, got {self.logprobs!r}")

@@ -1,0 +1,48 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from moejax.engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, seed: int, request_id=None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else self.seq_id
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.seed = seed  # always set: drawn by the engine when the request gives none
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0  # tokens whose latents are in the cache
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.num_preemptions = 0
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

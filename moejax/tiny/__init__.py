@@ -1,0 +1,1 @@
+"""Tiny random-weight DeepSeek checkpoints, for demos, tests and benchmarks (not trained)."""

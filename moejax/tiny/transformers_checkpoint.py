@@ -1,0 +1,55 @@
+"""Random-weight checkpoints written by HF transformers itself (its classes, init
+and save_pretrained), plus the torch model as a numerical reference. Needs the
+``test`` extra (torch, transformers)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moejax.tiny.checkpoint import FP8_BLOCK, quantize_tensors, write_checkpoint
+from moejax.tiny.tokenizer import write_tokenizer
+from moejax.weights.fp8 import dequantize_block_fp8
+
+
+def _classes(model_type: str):
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("writing checkpoints with transformers needs `pip install -e .[test]`") from e
+    if model_type == "deepseek_v3":
+        return transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
+    if model_type == "deepseek_v2":
+        return transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM
+    raise ValueError(f"model_type {model_type!r} is not a DeepSeek family")
+
+
+def make_hf_checkpoint(directory: str, hf_config: dict, seed: int = 0, fp8: bool = False,
+                       max_shard_size: str | None = None):
+    """Builds the HF model with random weights, saves it to ``directory``, returns the
+    float32 torch model (with FP8 weights already dequantised, so it is the exact reference)."""
+    import torch
+    cfg_cls, model_cls = _classes(hf_config["model_type"])
+    kwargs = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}
+    config = cfg_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        # HF initialises norms to 1 and the correction bias to 0; perturb them so they are tested.
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(0.05 * torch.randn_like(t))
+            elif name.endswith("norm.weight"):
+                t.copy_(1 + 0.1 * torch.randn_like(t))
+    if not fp8:
+        model.save_pretrained(directory, max_shard_size=max_shard_size or "5GB")
+        write_tokenizer(directory)
+        return model
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    tensors = quantize_tensors(state)
+    out_cfg = dict(hf_config, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
+                                                   "quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)})
+    write_checkpoint(directory, out_cfg, tensors)
+    deq = {k: torch.from_numpy(dequantize_block_fp8(tensors[k], tensors[k + "_scale_inv"], FP8_BLOCK))
+           for k in state if k + "_scale_inv" in tensors}
+    model.load_state_dict({**{k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, **deq})
+    return model

@@ -1,0 +1,63 @@
+"""Tokenizer from an HF checkpoint's tokenizer.json / tokenizer_config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jinja2
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _token_text(tok):
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+class Tokenizer:
+    def __init__(self, directory: str):
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.exists(path):
+            raise ValueError(f"{directory} has no tokenizer.json")
+        self._tok = _HFTokenizer.from_file(path)
+        cfg_path = os.path.join(directory, "tokenizer_config.json")
+        cfg = {}
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.add_bos_token = bool(cfg.get("add_bos_token", False))
+        self.chat_template = cfg.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: use "default"
+            self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"), None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # LlamaTokenizerFast-style configs add BOS through add_bos_token, not the post-processor.
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer_config.json has no chat_template")
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+
+        def raise_exception(msg):
+            raise ValueError(msg)
+
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")

@@ -1,0 +1,91 @@
+"""Load an HF DeepSeek checkpoint directory into a parameter pytree.
+
+Every tensor is checked against the shapes the Flax model declares: missing,
+unexpected or mis-shaped tensors raise a ValueError naming the HF tensor.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from moejax.config import ModelConfig
+from moejax.weights.fp8 import dequantize_block_fp8
+from moejax.weights.hf_names import flatten, hf_to_param, is_stacked_expert, param_to_hf, unflatten
+from moejax.weights.safetensors_io import SafetensorsFile, list_checkpoint_files
+
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def abstract_params(cfg: ModelConfig, dtype: str):
+    """Shapes and dtypes of the model's parameters, without allocating them."""
+    from moejax.models.deepseek import DeepseekForCausalLM
+    model = DeepseekForCausalLM(cfg, jnp.dtype(dtype))
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
+
+
+def load_hf_params(directory: str, cfg: ModelConfig, dtype: str = "bfloat16", progress: bool = True):
+    """Returns the parameter pytree as NumPy arrays (host memory)."""
+    expected = flatten(abstract_params(cfg, dtype))
+    files = list_checkpoint_files(directory)
+    opened: dict[str, SafetensorsFile] = {}
+
+    def tensor(name):
+        path = files[name]
+        if path not in opened:
+            opened[path] = SafetensorsFile(path)
+        return opened[path].get(name)
+
+    out: dict[tuple[str, ...], np.ndarray] = {}
+    experts_seen: dict[tuple[str, ...], set[int]] = {}
+    names = [n for n in files if not n.endswith("_scale_inv")]
+    scale_names = {n for n in files if n.endswith("_scale_inv")}
+    used_scales = set()
+    for name in tqdm(names, desc="Loading weights", unit="tensor", disable=not progress):
+        ref = hf_to_param(name)
+        if ref is not None and ref.layer is not None and ref.layer >= cfg.num_hidden_layers:
+            if ref.layer < cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
+                used_scales.add(name + "_scale_inv")
+                continue  # multi-token-prediction layers: not used for decoding
+        if ref is None or ref.path not in expected:
+            raise ValueError(f"checkpoint tensor {name!r} is not a parameter of this {cfg.model_type} model")
+        arr = tensor(name)
+        if arr.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
+            sname = name + "_scale_inv"
+            if sname not in files:
+                raise ValueError(f"checkpoint tensor {name!r} is float8 but {sname!r} is missing")
+            if cfg.fp8_block_size is None:
+                raise ValueError(f"checkpoint tensor {name!r} is float8 but config.json has no quantization_config")
+            arr = dequantize_block_fp8(arr, tensor(sname), cfg.fp8_block_size)
+            used_scales.add(sname)
+        want = expected[ref.path]
+        np_dtype = _NP_DTYPES[str(want.dtype)] if str(want.dtype) in _NP_DTYPES else np.float32
+        if is_stacked_expert(ref.path):
+            per_expert = (want.shape[2], want.shape[1])  # HF [out, in]
+            if tuple(arr.shape) != per_expert:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, expected {per_expert}")
+            if not 0 <= ref.expert < want.shape[0]:
+                raise ValueError(f"checkpoint tensor {name!r}: expert index {ref.expert} >= n_routed_experts")
+            if ref.path not in out:
+                out[ref.path] = np.empty(want.shape, np_dtype)
+                experts_seen[ref.path] = set()
+            out[ref.path][ref.expert] = np.asarray(arr, np.float32).T.astype(np_dtype)
+            experts_seen[ref.path].add(ref.expert)
+        else:
+            if tuple(arr.shape) != tuple(want.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(want.shape)}")
+            out[ref.path] = np.asarray(arr).astype(np_dtype)
+    unused = sorted(scale_names - used_scales)
+    if unused:
+        raise ValueError(f"checkpoint tensor {unused[0]!r} scales a tensor that is not float8 or not present")
+    for path, want in expected.items():
+        if path not in out:
+            raise ValueError(f"checkpoint is missing tensor {param_to_hf(path, 0 if is_stacked_expert(path) else None)!r}")
+        if is_stacked_expert(path) and len(experts_seen[path]) != want.shape[0]:
+            e = min(set(range(want.shape[0])) - experts_seen[path])
+            raise ValueError(f"checkpoint is missing tensor {param_to_hf(path, e)!r}")
+    return unflatten(out)
