@@ -4,11 +4,15 @@ and save_pretrained), plus the torch model as a numerical reference. Needs the
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import numpy as np
 
 from moejax.tiny.checkpoint import FP8_BLOCK, quantize_tensors, write_checkpoint
 from moejax.tiny.tokenizer import write_tokenizer
 from moejax.weights.fp8 import dequantize_block_fp8
+from moejax.weights.safetensors_io import SafetensorsFile, list_checkpoint_files
 
 
 def _classes(model_type: str):
@@ -40,16 +44,23 @@ def make_hf_checkpoint(directory: str, hf_config: dict, seed: int = 0, fp8: bool
                 t.copy_(0.05 * torch.randn_like(t))
             elif name.endswith("norm.weight"):
                 t.copy_(1 + 0.1 * torch.randn_like(t))
+    model.save_pretrained(directory, max_shard_size=max_shard_size or "5GB")
+    write_tokenizer(directory)
     if not fp8:
-        model.save_pretrained(directory, max_shard_size=max_shard_size or "5GB")
-        write_tokenizer(directory)
         return model
-    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    # Re-read what save_pretrained wrote (HF's on-disk names, one matrix per expert),
+    # quantise it, and rebuild the reference from the dequantised values.
+    files = list_checkpoint_files(directory)
+    state = {k: np.array(SafetensorsFile(f).get(k)) for k, f in files.items()}
+    for f in set(files.values()) | {os.path.join(directory, "model.safetensors.index.json")}:
+        if os.path.exists(f):
+            os.remove(f)
     tensors = quantize_tensors(state)
     out_cfg = dict(hf_config, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
                                                    "quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)})
     write_checkpoint(directory, out_cfg, tensors)
-    deq = {k: torch.from_numpy(dequantize_block_fp8(tensors[k], tensors[k + "_scale_inv"], FP8_BLOCK))
-           for k in state if k + "_scale_inv" in tensors}
-    model.load_state_dict({**{k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, **deq})
-    return model
+    deq = {k: (dequantize_block_fp8(tensors[k], tensors[k + "_scale_inv"], FP8_BLOCK) if k + "_scale_inv" in tensors
+               else v) for k, v in state.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(tmp, hf_config, deq)
+        return model_cls.from_pretrained(tmp, dtype=torch.float32).eval()

@@ -1,0 +1,98 @@
+"""Checkpoint loading: sharded index, FP8 dequantisation, orbax round trip, and named errors."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import moejax
+from conftest import rel_err
+from moejax.tiny.checkpoint import make_random_checkpoint
+from moejax.tiny.presets import preset
+from moejax.tiny.transformers_checkpoint import make_hf_checkpoint
+from moejax.weights.safetensors_io import SafetensorsFile, save_safetensors
+
+
+def _load(path, **kw):
+    return moejax.load(path, dtype="float32", max_model_len=64, max_num_seqs=2, progress=False, **kw)
+
+
+def test_fp8_checkpoint_dequantised_on_load(tmp_path):
+    ref = make_hf_checkpoint(str(tmp_path), preset("v3-tiny", initializer_range=0.1), seed=3, fp8=True)
+    f = SafetensorsFile(os.path.join(tmp_path, "model.safetensors"))
+    assert str(f.get("model.layers.1.mlp.experts.0.up_proj.weight").dtype) == "float8_e4m3fn"
+    ids = np.random.default_rng().integers(0, 320, size=(1, 13))
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)).logits.numpy()
+    assert rel_err(_load(str(tmp_path)).score(ids), want) < 1e-4
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    make_random_checkpoint(str(tmp_path), preset("v2-lite-tiny"), seed=2, max_shard_bytes=200_000)
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+    m = _load(str(tmp_path))
+    assert m.score([[3, 4, 5]]).shape == (1, 3, 320)
+
+
+def test_numpy_written_checkpoint_loads_in_transformers(tmp_path):
+    """The embedded default's checkpoint is real HF layout: transformers loads it strictly."""
+    from transformers import AutoModelForCausalLM
+    make_random_checkpoint(str(tmp_path), preset("v3-tiny"), seed=4)
+    ref, info = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = np.random.default_rng().integers(0, 320, size=(1, 9))
+    with torch.no_grad():
+        want = ref.eval()(torch.tensor(ids)).logits.numpy()
+    assert rel_err(_load(str(tmp_path)).score(ids), want) < 1e-4
+
+
+def test_orbax_save_and_restore(tmp_path):
+    src, dst = tmp_path / "hf", tmp_path / "saved"
+    make_random_checkpoint(str(src), preset("v3-tiny"), seed=5)
+    m = _load(str(src))
+    moejax.save(m, str(dst))
+    m2 = _load(str(dst))
+    ids = np.random.default_rng().integers(0, 320, size=(1, 7))
+    np.testing.assert_array_equal(m.score(ids), m2.score(ids))
+    out = moejax.generate(m2, ["abc"], max_new_tokens=3)
+    assert len(out[0].token_ids) >= 1
+
+
+def _rewrite(path, mutate):
+    f = SafetensorsFile(os.path.join(path, "model.safetensors"))
+    tensors = {k: np.array(f.get(k)) for k in f.keys()}
+    mutate(tensors)
+    save_safetensors(tensors, os.path.join(path, "model.safetensors"))
+
+
+@pytest.mark.parametrize("mutation,needle", [
+    (lambda t: t.pop("model.layers.2.mlp.experts.5.down_proj.weight"), "model.layers.2.mlp.experts.5.down_proj.weight"),
+    (lambda t: t.pop("model.layers.0.self_attn.kv_b_proj.weight"), "model.layers.0.self_attn.kv_b_proj.weight"),
+    (lambda t: t.__setitem__("model.layers.0.self_attn.bogus.weight", np.ones(3, np.float32)), "bogus"),
+    (lambda t: t.__setitem__("model.norm.weight", np.ones(7, np.float32)), "model.norm.weight"),
+    (lambda t: t.__setitem__("model.layers.1.mlp.experts.3.gate_proj.weight", np.ones((4, 4), np.float32)),
+     "experts.3.gate_proj"),
+])
+def test_bad_tensors_are_named(tmp_path, mutation, needle):
+    make_random_checkpoint(str(tmp_path), preset("v3-tiny"), seed=6)
+    _rewrite(str(tmp_path), mutation)
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        _load(str(tmp_path))
+
+
+def test_bad_load_arguments(tmp_path):
+    make_random_checkpoint(str(tmp_path), preset("v3-tiny"), seed=7)
+    with pytest.raises(ValueError, match="dtype"):
+        moejax.load(str(tmp_path), dtype="float16")
+    with pytest.raises(ValueError, match="max_model_len"):
+        moejax.load(str(tmp_path), max_model_len=10**9)
+    with pytest.raises(ValueError, match="not a directory"):
+        moejax.load(str(tmp_path / "nope"))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["mystery"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="mystery"):
+        moejax.load(str(tmp_path))
