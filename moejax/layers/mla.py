@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig
-from moejax.layers.linear import Linear
+from moejax.layers.linear import Linear, einsum_f32
 from moejax.layers.mla_decode import mla_decode_attention
 from moejax.layers.norm import RMSNorm
 from moejax.layers.rope import apply_rope, rope_frequencies
@@ -75,8 +75,8 @@ class MLA(nn.Module):
         kv = self.kv_b_proj(latent).reshape(B, S, nh, dn + dv)
         k_nope, v = kv[..., :dn], kv[..., dn:]
         f32 = jnp.float32
-        s = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=f32)
-        s = s + jnp.einsum("bqhr,bkr->bhqk", q_rope, k_rope, preferred_element_type=f32)
+        s = einsum_f32("bqhd,bkhd->bhqk", q_nope, k_nope)
+        s = s + einsum_f32("bqhr,bkr->bhqk", q_rope, k_rope)
         s = s * c.softmax_scale
         qpos = jnp.arange(S)
         mask = (qpos[None, :] <= qpos[:, None])[None] & (qpos[None, None, :] < seq_lens[:, None, None])
@@ -93,7 +93,7 @@ class MLA(nn.Module):
         cache = write_cache(cache, self.layer, slots, self._latent(x, positions))
         w_kv_b = self.kv_b_proj.weight.reshape(nh, dn + c.v_head_dim, C)
         w_uk, w_uv = w_kv_b[:, :dn], w_kv_b[:, dn:]
-        q_latent = jnp.einsum("bhn,hnc->bhc", q_nope, w_uk, preferred_element_type=jnp.float32)
+        q_latent = einsum_f32("bhn,hnc->bhc", q_nope, w_uk)
         ctx = mla_decode_attention(q_latent.astype(x.dtype), q_rope, cache[self.layer], block_tables,
                                    seq_lens, block_size, c.softmax_scale)
         o = jnp.einsum("bhc,hvc->bhv", ctx.astype(x.dtype), w_uv)

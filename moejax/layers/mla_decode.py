@@ -9,6 +9,8 @@ This is the op the Pallas kernel replaces on GPU.
 import jax
 import jax.numpy as jnp
 
+from moejax.layers.linear import einsum_f32
+
 
 def gather_sequence_slots(block_tables, block_size: int):
     """block_tables [B, nb] -> flat cache slot of every position [B, nb*block_size]."""
@@ -23,10 +25,10 @@ def mla_decode_attention(q_latent, q_rope, cache_layer, block_tables, seq_lens, 
     kv = cache_layer[gather_sequence_slots(block_tables, block_size)]  # [B, T, C+R]
     latent, k_rope = kv[..., :C], kv[..., C:]
     f32 = jnp.float32
-    s = jnp.einsum("bhc,btc->bht", q_latent.astype(kv.dtype), latent, preferred_element_type=f32)
-    s = s + jnp.einsum("bhr,btr->bht", q_rope.astype(kv.dtype), k_rope, preferred_element_type=f32)
+    s = einsum_f32("bhc,btc->bht", q_latent.astype(kv.dtype), latent)
+    s = s + einsum_f32("bhr,btr->bht", q_rope.astype(kv.dtype), k_rope)
     s = s * scale
     valid = jnp.arange(kv.shape[1])[None, :] < seq_lens[:, None]
     s = jnp.where(valid[:, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bht,btc->bhc", p.astype(kv.dtype), latent, preferred_element_type=f32)
+    return einsum_f32("bht,btc->bhc", p.astype(kv.dtype), latent)

@@ -1,0 +1,48 @@
+#!/usr/bin/env python
+"""Generate text with moejax. Without --model it uses the embedded default: a tiny
+DeepSeek-V3-architecture model with RANDOM weights, built on the spot (its text is gibberish).
+
+  python scripts/generate.py
+  python scripts/generate.py --model /path/to/DeepSeek-V2-Lite --prompt "Hello" --max-new-tokens 64
+"""
+
+import argparse
+import time
+
+import moejax
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF checkpoint directory (default: the tiny random model)")
+    ap.add_argument("--prompt", action="append", help="may be repeated (default: three sample prompts)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    a = ap.parse_args(argv)
+
+    path = a.model
+    if path is None:
+        from moejax.tiny.default_model import default_model_path
+        path = default_model_path()
+        print(f"No --model given: using the embedded tiny DeepSeek-V3-architecture model with RANDOM weights "
+              f"({path}); expect gibberish.")
+    model = moejax.load(path, dtype=a.dtype, max_model_len=a.max_model_len)
+    prompts = a.prompt or ["The capital of France is", "def fibonacci(n):", "Mixture-of-Experts models"]
+    t0 = time.perf_counter()
+    results = moejax.generate(model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                              top_p=a.top_p, top_k=a.top_k, seed=a.seed, progress=True)
+    dt = time.perf_counter() - t0
+    for p, r in zip(prompts, results):
+        print(f"\n### {p!r}\n{r.text!r}\n[{len(r.token_ids)} tokens, finish_reason={r.finish_reason}]")
+    s = model.engine.stats
+    print(f"\n{sum(len(r.token_ids) for r in results)} tokens in {dt:.2f}s (first run includes compilation); "
+          f"decode-only: {s.decode_tokens} tokens in {s.decode_time:.2f}s")
+
+
+if __name__ == "__main__":
+    main()
