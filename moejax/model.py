@@ -23,11 +23,29 @@ class Model:
 
     def __init__(self, config: ModelConfig, hf_config: dict, params, tokenizer: Tokenizer, dtype: str,
                  source_dir: str, *, max_model_len: int, max_num_seqs: int, block_size: int,
-                 num_kv_blocks: int | None, max_prefill_tokens: int):
+                 num_kv_blocks: int | None, max_prefill_tokens: int, parallel=None):
+        from moejax.layers.moe import ExpertParallel
         from moejax.models.deepseek import DeepseekForCausalLM
-        self.config, self.hf_config, self.params = config, hf_config, params
+        from moejax.parallel.sharding import AXIS, make_mesh, shard_params
+        from moejax.weights.loader import initial_routing
+        self.config, self.hf_config = config, hf_config
         self.tokenizer, self.dtype, self.source_dir = tokenizer, dtype, source_dir
-        self.module = DeepseekForCausalLM(config, jnp.dtype(dtype))
+        self.parallel = parallel
+        if parallel is None:
+            self.mesh, ep = None, ExpertParallel()
+            self.params = jax.device_put(params)
+        else:
+            if config.n_routed_experts % parallel.num_ranks:
+                raise ValueError(f"parallel {parallel.name!r}: n_routed_experts={config.n_routed_experts} is not "
+                                 f"divisible by expert_parallel_size={parallel.expert_parallel_size}")
+            if parallel.moe_backend == "ragged" and jax.default_backend() == "cpu":
+                raise ValueError("moe_backend 'ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not "
+                                 "implement; use 'a2a' or 'replicated' on CPU")
+            self.mesh = make_mesh(parallel.num_ranks)
+            ep = ExpertParallel(parallel.moe_backend, AXIS, parallel.num_ranks)
+            self.params = shard_params(params, self.mesh)
+        self.routing = jax.device_put(initial_routing(config))
+        self.module = DeepseekForCausalLM(config, jnp.dtype(dtype), ep)
         self.max_model_len, self.max_num_seqs, self.block_size = max_model_len, max_num_seqs, block_size
         self.num_kv_blocks, self.max_prefill_tokens = num_kv_blocks, max_prefill_tokens
         self._engine = None
@@ -38,8 +56,8 @@ class Model:
             from moejax.engine.llm_engine import LLMEngine
             from moejax.engine.model_runner import ModelRunner
             n = self.num_kv_blocks or default_num_blocks(self)
-            runner = ModelRunner(self.module, self.params, n, self.block_size, self.max_model_len,
-                                 self.max_num_seqs, jnp.dtype(self.dtype))
+            runner = ModelRunner(self.module, self.params, self.routing, n, self.block_size, self.max_model_len,
+                                 self.max_num_seqs, jnp.dtype(self.dtype), self.mesh)
             eos = self.config.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
             self._engine = LLMEngine(runner, self.tokenizer, eos, self.max_prefill_tokens)
         return self._engine
@@ -86,10 +104,16 @@ def default_num_blocks(model: Model) -> int:
     return int(n)
 
 
-def load(path: str, dtype: str = "bfloat16", *, max_model_len: int | None = None, max_num_seqs: int = 256,
-         block_size: int = 16, num_kv_blocks: int | None = None, max_prefill_tokens: int = 8192,
-         progress: bool = True) -> Model:
-    """Loads an HF DeepSeek-V2/V3 checkpoint directory, or one written by ``moejax.save``."""
+def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max_model_len: int | None = None,
+         max_num_seqs: int = 256, block_size: int = 16, num_kv_blocks: int | None = None,
+         max_prefill_tokens: int = 8192, progress: bool = True) -> Model:
+    """Loads an HF DeepSeek-V2/V3 checkpoint directory, or one written by ``moejax.save``.
+
+    ``parallel`` names a layout under configs/ (e.g. "dp8-ep8") or a path to one; without
+    it the model runs on one device. max_num_seqs and num_kv_blocks are per data-parallel rank.
+    """
+    from moejax.parallel.config import ParallelConfig
+    pc = ParallelConfig.load(parallel) if parallel is not None else None
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if not os.path.isdir(path):
@@ -119,17 +143,17 @@ def load(path: str, dtype: str = "bfloat16", *, max_model_len: int | None = None
             params = jax.tree.map(lambda a, t: a.astype(t.dtype), params, abstract_params(config, dtype))
     else:
         from moejax.weights.loader import load_hf_params
-        params = jax.device_put(load_hf_params(path, config, dtype, progress))
+        params = load_hf_params(path, config, dtype, progress)
     return Model(config, hf_config, params, Tokenizer(path), dtype, path, max_model_len=max_model_len,
                  max_num_seqs=max_num_seqs, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                 max_prefill_tokens=max_prefill_tokens)
+                 max_prefill_tokens=max_prefill_tokens, parallel=pc)
 
 
 def save(model: Model, directory: str) -> None:
     """Writes converted weights (orbax), config.json and the tokenizer; ``load`` reads it back."""
     from moejax.weights.orbax_io import save_params
     os.makedirs(directory, exist_ok=True)
-    save_params(model.params, directory)
+    save_params(jax.device_get(model.params), directory)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(model.hf_config, f, indent=2)
     for fn in _TOKENIZER_FILES:

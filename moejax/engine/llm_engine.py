@@ -37,8 +37,8 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
-        self.scheduler = Scheduler(self.blocks, runner.max_num_seqs, max_prefill_tokens)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, runner.num_ranks, runner.max_num_seqs)
+        self.scheduler = Scheduler(self.blocks, runner.max_num_seqs * runner.num_ranks, max_prefill_tokens)
         self.stats = EngineStats()
         self._rng = random.Random()
 
@@ -56,7 +56,7 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; the maximum context length is {self.max_model_len}, "
                              "which must leave room for at least one new token")
-        if self.blocks.blocks_needed(n + 1) > self.blocks.num_blocks:
+        if self.blocks.blocks_needed(n + 1) > self.blocks.blocks_per_rank:
             raise ValueError(f"prompt has {n} tokens, more than the KV cache can hold")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(prompt_ids, params, seed, request_id)

@@ -1,23 +1,29 @@
-"""Owns the device state (parameters, paged latent cache) and the compiled steps.
+"""Owns the device state (parameters, expert placement, paged latent cache) and the compiled steps.
 
-Shapes are padded to buckets so the compiled programs are reused: the decode
-batch to a power of two (up to max_num_seqs) and the block-table width to a
-power of two of the longest live context; prefill batches to (batch, length)
+Shapes are padded to buckets so the compiled programs are reused: the per-rank
+decode batch to a power of two (up to max_num_seqs) and the block-table width to
+a power of two of the longest live context; prefill batches to (batch, length)
 powers of two. Steady-state decoding therefore compiles nothing new. The cache
 is donated to every step, so XLA updates it in place.
+
+Every per-step array has a leading rank axis [N, ...]. Without a mesh N = 1 and
+the step runs as a plain jit; with one, the same per-rank step runs under
+``jax.shard_map`` (each device: its own requests and cache; experts reached
+through the MoE dispatch backend's collectives).
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.engine.sequence import Sequence
 from moejax.layers.sampler import sample
+from moejax.parallel.sharding import AXIS, param_specs
 
 
 def next_pow2(n: int, lo: int = 1) -> int:
@@ -25,101 +31,150 @@ def next_pow2(n: int, lo: int = 1) -> int:
 
 
 class ModelRunner:
-    def __init__(self, module, params, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, kv_dtype):
+    def __init__(self, module, params, routing, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int, kv_dtype, mesh=None):
+        """num_blocks and max_num_seqs are per rank."""
         cfg = module.cfg
-        self.module, self.params, self.cfg = module, params, cfg
+        self.module, self.params, self.routing, self.cfg, self.mesh = module, params, routing, cfg, mesh
+        self.num_ranks = 1 if mesh is None else mesh.size
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.num_slots = num_blocks * block_size
-        self.cache = jnp.zeros((cfg.num_hidden_layers, self.num_slots, cfg.kv_cache_dim), kv_dtype)
+        shape = (self.num_ranks, cfg.num_hidden_layers, self.num_slots, cfg.kv_cache_dim)
+        if mesh is None:
+            self.cache = jnp.zeros(shape, kv_dtype)
+        else:
+            self.cache = jax.jit(lambda: jnp.zeros(shape, kv_dtype),
+                                 out_shardings=NamedSharding(mesh, P(AXIS)))()
         # How many times each step was traced (= compiled): tests assert on it.
         self.trace_counts: collections.Counter[str] = collections.Counter()
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,), static_argnames=())
-        self._score = jax.jit(self._score_impl)
+        self._prefill = self._compile(self._prefill_rank, "prefill", with_cache=True)
+        self._decode = self._compile(self._decode_rank, "decode", with_cache=True)
+        self._score = self._compile(self._score_rank, "score", with_cache=False)
 
-    # ----- compiled bodies -------------------------------------------------
-    def _prefill_impl(self, params, cache, tokens, seq_lens, slots, samp):
-        self.trace_counts["prefill"] += 1
+    def _vars(self, params, routing):
+        return {"params": params, "routing": routing}
+
+    # ----- per-rank compiled bodies ----------------------------------------
+    def _prefill_rank(self, params, routing, cache, tokens, seq_lens, slots, samp):
         B, S = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        h, cache = self.module.apply({"params": params}, tokens, positions, seq_lens, cache, slots,
-                                     method="prefill")
+        v = self._vars(params, routing)
+        h, cache = self.module.apply(v, tokens, positions, seq_lens, cache, slots, method="prefill")
         last = h[jnp.arange(B), jnp.maximum(seq_lens - 1, 0)]
-        logits = self.module.apply({"params": params}, last, method="logits")
-        toks, lps = sample(logits, *samp, positions=seq_lens)
-        return toks, lps, cache
+        toks, lps = sample(self.module.apply(v, last, method="logits"), *samp, positions=seq_lens)
+        return cache, toks, lps
 
-    def _decode_impl(self, params, cache, tokens, positions, slots, block_tables, seq_lens, samp):
-        self.trace_counts["decode"] += 1
-        h, cache = self.module.apply({"params": params}, tokens, positions, cache, slots, block_tables,
-                                     jnp.maximum(seq_lens, 1), self.block_size, method="decode")
-        logits = self.module.apply({"params": params}, h, method="logits")
-        toks, lps = sample(logits, *samp, positions=positions + 1)
-        return toks, lps, cache
+    def _decode_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens, samp):
+        v = self._vars(params, routing)
+        h, cache = self.module.apply(v, tokens, positions, cache, slots, block_tables, jnp.maximum(seq_lens, 1),
+                                     self.block_size, method="decode")
+        toks, lps = sample(self.module.apply(v, h, method="logits"), *samp, positions=positions + 1)
+        return cache, toks, lps
 
-    def _score_impl(self, params, tokens):
-        self.trace_counts["score"] += 1
+    def _score_rank(self, params, routing, tokens):
         B, S = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        h, _ = self.module.apply({"params": params}, tokens, positions, jnp.full((B,), S, jnp.int32),
-                                 method="prefill")
-        return self.module.apply({"params": params}, h, method="logits")
+        v = self._vars(params, routing)
+        h, _ = self.module.apply(v, tokens, positions, jnp.full((B,), S, jnp.int32), method="prefill")
+        return (self.module.apply(v, h, method="logits"),)
+
+    def _compile(self, rank_fn, name: str, with_cache: bool):
+        """jit (and, on a mesh, shard_map) a per-rank body over inputs with a leading rank axis."""
+        def per_rank(params, routing, *args):
+            self.trace_counts[name] += 1
+            outs = rank_fn(params, routing, *jax.tree.map(lambda a: a[0], args))
+            return jax.tree.map(lambda a: a[None], outs)
+
+        if self.mesh is not None:
+            mesh, specs = self.mesh, param_specs(self.params)
+
+            def sharded(params, routing, *args):
+                return jax.shard_map(per_rank, mesh=mesh, in_specs=(specs, P(), *([P(AXIS)] * len(args))),
+                                     out_specs=P(AXIS), check_vma=False)(params, routing, *args)
+            fn = sharded
+        else:
+            fn = per_rank
+        return jax.jit(fn, donate_argnums=(2,) if with_cache else ())
 
     # ----- host-side batching ---------------------------------------------
-    def _sampling_arrays(self, seqs: list[Sequence], B: int):
-        temp = np.zeros(B, np.float32)
-        top_p = np.ones(B, np.float32)
-        top_k = np.zeros(B, np.int32)
-        seeds = np.zeros(B, np.uint32)
-        for i, s in enumerate(seqs):
-            p = s.params
-            temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
-            seeds[i] = s.seed & 0xFFFFFFFF
+    def _by_rank(self, seqs: list[Sequence]) -> tuple[list[list[Sequence]], int]:
+        ranks = [[] for _ in range(self.num_ranks)]
+        for s in seqs:
+            ranks[s.dp_rank].append(s)
+        return ranks, max(len(r) for r in ranks)
+
+    def _sampling_arrays(self, ranks: list[list[Sequence]], B: int):
+        N = self.num_ranks
+        temp, top_p = np.zeros((N, B), np.float32), np.ones((N, B), np.float32)
+        top_k, seeds = np.zeros((N, B), np.int32), np.zeros((N, B), np.uint32)
+        for r, seqs in enumerate(ranks):
+            for i, s in enumerate(seqs):
+                p = s.params
+                temp[r, i], top_p[r, i], top_k[r, i] = p.temperature, p.top_p, p.top_k
+                seeds[r, i] = s.seed & 0xFFFFFFFF
         return temp, top_p, top_k, seeds
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    @staticmethod
+    def _gather(ranks, toks, lps):
+        toks, lps = np.asarray(toks), np.asarray(lps)
+        out = {}
+        for r, seqs in enumerate(ranks):
+            for i, s in enumerate(seqs):
+                out[s.seq_id] = (int(toks[r, i]), float(lps[r, i]))
+        return out
+
     def prefill(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
         """Runs every token of each sequence, fills its cache, samples its next token."""
-        B = next_pow2(len(seqs))
+        ranks, per_rank = self._by_rank(seqs)
+        N, B = self.num_ranks, next_pow2(per_rank)
         S = min(next_pow2(max(len(s) for s in seqs), 16), next_pow2(self.max_model_len, 16))
-        tokens = np.zeros((B, S), np.int32)
-        lens = np.zeros(B, np.int32)
-        slots = np.full((B, S), self.num_slots, np.int32)  # out of range: dropped
-        for i, s in enumerate(seqs):
-            n = len(s)
-            tokens[i, :n] = s.token_ids
-            lens[i] = n
-            slots[i, :n] = [self._slot(s, p) for p in range(n)]
-        toks, lps, self.cache = self._prefill(self.params, self.cache, tokens, lens, slots,
-                                              self._sampling_arrays(seqs, B))
+        tokens = np.zeros((N, B, S), np.int32)
+        lens = np.zeros((N, B), np.int32)
+        slots = np.full((N, B, S), self.num_slots, np.int32)  # out of range: dropped
+        for r, rs in enumerate(ranks):
+            for i, s in enumerate(rs):
+                n = len(s)
+                tokens[r, i, :n] = s.token_ids
+                lens[r, i] = n
+                slots[r, i, :n] = [self._slot(s, p) for p in range(n)]
+        self.cache, toks, lps = self._prefill(self.params, self.routing, self.cache, tokens, lens, slots,
+                                              self._sampling_arrays(ranks, B))
+        got = self._gather(ranks, toks, lps)
         for s in seqs:
             s.num_cached_tokens = len(s)
-        return np.asarray(toks)[:len(seqs)], np.asarray(lps)[:len(seqs)]
+        return np.array([got[s.seq_id][0] for s in seqs]), np.array([got[s.seq_id][1] for s in seqs])
 
     def decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
         """One token for each sequence; its last token is the one being fed."""
-        B = min(next_pow2(len(seqs)), next_pow2(self.max_num_seqs))
+        ranks, per_rank = self._by_rank(seqs)
+        N, B = self.num_ranks, min(next_pow2(per_rank), next_pow2(self.max_num_seqs))
         nb = min(next_pow2(max(len(s.block_table) for s in seqs)), next_pow2(self.max_blocks_per_seq))
-        tokens = np.zeros(B, np.int32)
-        positions = np.zeros(B, np.int32)
-        slots = np.full(B, self.num_slots, np.int32)
-        tables = np.zeros((B, nb), np.int32)
-        lens = np.zeros(B, np.int32)
-        for i, s in enumerate(seqs):
-            pos = len(s) - 1
-            tokens[i], positions[i], lens[i] = s.token_ids[-1], pos, pos + 1
-            slots[i] = self._slot(s, pos)
-            tables[i, :len(s.block_table)] = s.block_table
-        toks, lps, self.cache = self._decode(self.params, self.cache, tokens, positions, slots, tables, lens,
-                                             self._sampling_arrays(seqs, B))
+        tokens, positions, lens = (np.zeros((N, B), np.int32) for _ in range(3))
+        slots = np.full((N, B), self.num_slots, np.int32)
+        tables = np.zeros((N, B, nb), np.int32)
+        for r, rs in enumerate(ranks):
+            for i, s in enumerate(rs):
+                pos = len(s) - 1
+                tokens[r, i], positions[r, i], lens[r, i] = s.token_ids[-1], pos, pos + 1
+                slots[r, i] = self._slot(s, pos)
+                tables[r, i, :len(s.block_table)] = s.block_table
+        self.cache, toks, lps = self._decode(self.params, self.routing, self.cache, tokens, positions, slots,
+                                             tables, lens, self._sampling_arrays(ranks, B))
+        got = self._gather(ranks, toks, lps)
         for s in seqs:
             s.num_cached_tokens = len(s)
-        return np.asarray(toks)[:len(seqs)], np.asarray(lps)[:len(seqs)]
+        return np.array([got[s.seq_id][0] for s in seqs]), np.array([got[s.seq_id][1] for s in seqs])
 
     def score(self, token_ids: np.ndarray) -> np.ndarray:
-        return np.asarray(self._score(self.params, jnp.asarray(token_ids, jnp.int32)))
+        """Logits [B, T, V]; on a mesh the prompts are split over the ranks (padded to a multiple)."""
+        B = token_ids.shape[0]
+        per = -(-B // self.num_ranks)
+        padded = np.zeros((self.num_ranks * per, token_ids.shape[1]), np.int32)
+        padded[:B] = token_ids
+        (logits,) = self._score(self.params, self.routing, padded.reshape(self.num_ranks, per, -1))
+        return np.asarray(logits).reshape(self.num_ranks * per, *logits.shape[2:])[:B]

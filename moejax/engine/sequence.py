@@ -26,6 +26,7 @@ class Sequence:
         self.seed = seed  # always set: drawn by the engine when the request gives none
         self.status = Status.WAITING
         self.block_table: list[int] = []
+        self.dp_rank = 0  # the data-parallel rank (device) whose cache holds this sequence
         self.num_cached_tokens = 0  # tokens whose latents are in the cache
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None

@@ -9,7 +9,7 @@ from moejax.config import ModelConfig
 from moejax.layers.linear import Embedding, Linear
 from moejax.layers.mla import MLA
 from moejax.layers.mlp import GatedMLP
-from moejax.layers.moe import MoE
+from moejax.layers.moe import ExpertParallel, MoE
 from moejax.layers.norm import RMSNorm
 
 
@@ -17,6 +17,7 @@ class DecoderLayer(nn.Module):
     cfg: ModelConfig
     layer: int
     dtype: Any = jnp.float32
+    ep: ExpertParallel = ExpertParallel()
 
     def setup(self):
         c = self.cfg
@@ -24,7 +25,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         self.self_attn = MLA(c, self.layer, self.dtype)
         if c.is_moe_layer(self.layer):
-            self.mlp = MoE(c, self.dtype)
+            self.mlp = MoE(c, self.dtype, self.ep)
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, self.dtype)
 
@@ -44,11 +45,12 @@ class DecoderLayer(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     cfg: ModelConfig
     dtype: Any = jnp.float32
+    ep: ExpertParallel = ExpertParallel()
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, self.dtype)
-        self.layers = [DecoderLayer(c, i, self.dtype) for i in range(c.num_hidden_layers)]
+        self.layers = [DecoderLayer(c, i, self.dtype, self.ep) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, self.dtype)
 

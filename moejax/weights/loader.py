@@ -20,12 +20,21 @@ from moejax.weights.safetensors_io import SafetensorsFile, list_checkpoint_files
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
-def abstract_params(cfg: ModelConfig, dtype: str):
-    """Shapes and dtypes of the model's parameters, without allocating them."""
+def abstract_variables(cfg: ModelConfig, dtype: str):
+    """Shapes and dtypes of the model's variables ("params", "routing"), without allocating them."""
     from moejax.models.deepseek import DeepseekForCausalLM
     model = DeepseekForCausalLM(cfg, jnp.dtype(dtype))
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    return jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
+    return jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)
+
+
+def abstract_params(cfg: ModelConfig, dtype: str):
+    return abstract_variables(cfg, dtype)["params"]
+
+
+def initial_routing(cfg: ModelConfig):
+    """The identity expert placement of every MoE layer (logical expert e in slot e)."""
+    return jax.tree.map(lambda a: np.arange(a.shape[0], dtype=np.int32), abstract_variables(cfg, "float32")["routing"])
 
 
 def load_hf_params(directory: str, cfg: ModelConfig, dtype: str = "bfloat16", progress: bool = True):

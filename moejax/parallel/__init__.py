@@ -1,0 +1,1 @@
+"""Data-parallel attention + expert-parallel MoE on one device mesh."""
