@@ -1,0 +1,43 @@
+"""A Model with random weights generated directly on the device (no checkpoint files),
+for benchmarks at real shapes where writing and reading a checkpoint would dominate."""
+
+from __future__ import annotations
+
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import ModelConfig
+from moejax.model import Model
+from moejax.tiny.tokenizer import write_tokenizer
+from moejax.tokenizer import Tokenizer
+from moejax.weights.hf_names import flatten, unflatten
+from moejax.weights.loader import abstract_params
+
+
+def random_device_params(cfg: ModelConfig, dtype: str, seed: int = 0, std: float = 0.02):
+    leaves = flatten(abstract_params(cfg, dtype))
+    key = jax.random.key(seed)
+    out = {}
+    for i, (path, leaf) in enumerate(leaves.items()):
+        name = path[-2] if path[-1] == "weight" else path[-1]
+        if name.endswith("norm"):
+            out[path] = jnp.ones(leaf.shape, leaf.dtype)
+        elif name == "e_score_correction_bias":
+            out[path] = jnp.zeros(leaf.shape, leaf.dtype)
+        else:
+            k = jax.random.fold_in(key, i)
+            out[path] = jax.jit(lambda k, s=leaf.shape, d=leaf.dtype: (std * jax.random.normal(k, s, jnp.float32)).astype(d))(k)
+    return unflatten(out)
+
+
+def random_model(hf_config: dict, dtype: str = "bfloat16", parallel: str | None = None, seed: int = 0, **load_kw) -> Model:
+    from moejax.parallel.config import ParallelConfig
+    cfg = ModelConfig.from_dict(hf_config)
+    tmp = tempfile.mkdtemp(prefix="moejax-tok-")
+    write_tokenizer(tmp)
+    kw = {"max_model_len": 4096, "max_num_seqs": 256, "block_size": 16, "num_kv_blocks": None,
+          "max_prefill_tokens": 8192, **load_kw}
+    pc = ParallelConfig.load(parallel) if parallel else None
+    return Model(cfg, hf_config, random_device_params(cfg, dtype, seed), Tokenizer(tmp), dtype, tmp, parallel=pc, **kw)
