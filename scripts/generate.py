@@ -23,6 +23,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--parallel", default=None, help="a layout under configs/ (e.g. dp8-ep8) or a path to one")
     a = ap.parse_args(argv)
 
     path = a.model
@@ -31,7 +32,7 @@ def main(argv=None):
         path = default_model_path()
         print(f"No --model given: using the embedded tiny DeepSeek-V3-architecture model with RANDOM weights "
               f"({path}); expect gibberish.")
-    model = moejax.load(path, dtype=a.dtype, max_model_len=a.max_model_len)
+    model = moejax.load(path, dtype=a.dtype, max_model_len=a.max_model_len, parallel=a.parallel)
     prompts = a.prompt or ["The capital of France is", "def fibonacci(n):", "Mixture-of-Experts models"]
     t0 = time.perf_counter()
     results = moejax.generate(model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
