@@ -1,0 +1,9 @@
+"""OpenAI-compatible HTTP serving for moejax (aiohttp).
+
+- ``async_engine``: drives the LLMEngine from one background thread, streams tokens to asyncio.
+- ``protocol``: request validation -> SamplingParams, OpenAI response / chunk builders, errors.
+- ``metrics``: Prometheus text exposition with vLLM's metric names.
+- ``app``: the aiohttp routes.
+"""
+
+from moejax.server.app import build_app, ServerThread  # noqa: F401

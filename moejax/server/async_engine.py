@@ -1,0 +1,226 @@
+"""Drives the (single-threaded) LLMEngine from one background thread and streams
+each request's tokens to asyncio.
+
+JAX and the engine are driven from this one thread only. The event loop submits
+requests and aborts through a thread-safe inbox; the engine thread adds them,
+runs ``engine.step()`` in a loop (through a StepLog that records every step's
+kind and where its sequences came from) and hands each new token to its
+request's asyncio queue with ``loop.call_soon_threadsafe`` (one callback per
+step). Any exception in the loop marks the engine dead: every open stream gets
+an error event and /health answers 503 from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+import time
+import traceback
+
+from moejax.engine.sampling_params import SamplingParams
+from moejax.engine.step_log import StepLog
+from moejax.server.metrics import Metrics
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    token_id: int | None = None
+    logprob: float | None = None
+    finish_reason: str | None = None  # set on the last event of a request
+    text: str | None = None  # final text (stop strings cut) on the last event
+    error: str | None = None  # the engine died
+
+
+class RequestStream:
+    """The asyncio side of one request: iterate it for TokenEvents."""
+
+    def __init__(self, owner: AsyncEngine, prompt_ids: list[int], params: SamplingParams, loop):
+        self.owner, self.prompt_ids, self.params, self.loop = owner, prompt_ids, params, loop
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.seq = None  # set by the engine thread
+        self.accepted: asyncio.Future = loop.create_future()
+        self.finished = False
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_output = 0
+
+    async def get(self, timeout: float | None = None) -> TokenEvent | None:
+        """The next event, or None after `timeout` seconds without one."""
+        try:
+            ev = await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        if ev.finish_reason is not None or ev.error is not None:
+            self.finished = True
+        return ev
+
+    def get_nowait(self) -> TokenEvent | None:
+        try:
+            ev = self.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        if ev.finish_reason is not None or ev.error is not None:
+            self.finished = True
+        return ev
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.owner.abort(self)
+
+
+def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(True)
+    else:
+        fut.set_exception(exc)
+
+
+def _deliver(items: list[tuple[RequestStream, TokenEvent]]) -> None:
+    for stream, ev in items:
+        stream.queue.put_nowait(ev)
+
+
+class AsyncEngine:
+    def __init__(self, engine, model_name: str = "moejax", metrics: Metrics | None = None):
+        self.engine = engine
+        self.metrics = metrics or Metrics(model_name)
+        self.step_log = StepLog()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[int, RequestStream] = {}  # seq_id -> stream (engine thread only)
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="moejax-engine", daemon=True)
+
+    # ----- event-loop side ---------------------------------------------------------
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread.is_alive() and not self._stop.is_set()
+
+    async def add_request(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queues a request; raises ValueError if the engine rejects it (e.g. prompt too long)."""
+        if not self.is_alive:
+            raise EngineDeadError(self.error or "the engine is not running")
+        stream = RequestStream(self, list(prompt_ids), params, asyncio.get_running_loop())
+        self._inbox.put(("add", stream))
+        while not stream.accepted.done():
+            await asyncio.wait({stream.accepted}, timeout=1.0)
+            if not stream.accepted.done() and not self.is_alive:
+                raise EngineDeadError(self.error or "the engine is not running")
+        stream.accepted.result()  # raises the engine's ValueError
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        self._inbox.put(("abort", stream))
+
+    # ----- engine thread -----------------------------------------------------------------
+    def _handle(self, op: str, stream: RequestStream | None) -> None:
+        if op == "add":
+            try:
+                stream.seq = self.engine.add_request(stream.prompt_ids, stream.params)
+            except ValueError as e:
+                stream.loop.call_soon_threadsafe(_resolve, stream.accepted, ValueError(str(e)))
+                return
+            stream.arrival = time.perf_counter()
+            self._streams[stream.seq.seq_id] = stream
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
+        elif op == "abort":
+            seq = stream.seq
+            if seq is None or seq.seq_id not in self._streams:
+                return  # never accepted, or already finished
+            self.engine.abort(seq)
+            del self._streams[seq.seq_id]
+            self.metrics.on_finish("abort", time.perf_counter() - stream.arrival, None, stream.num_output)
+            stream.loop.call_soon_threadsafe(_deliver, [(stream, TokenEvent(finish_reason="abort", text=""))])
+            self.metrics.snapshot(self.engine, self.step_log.mixed_steps)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            op, s = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if op != "wake":
+                self._handle(op, s)
+            try:
+                op, s = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if not self.engine.has_unfinished():
+                    continue
+                kind, seqs = self.step_log.step(self.engine)
+                now = time.perf_counter()
+                out: dict[object, list] = {}
+                for seq in seqs:
+                    stream = self._streams.get(seq.seq_id)
+                    if stream is None:
+                        continue
+                    ev = TokenEvent(token_id=seq.token_ids[-1],
+                                    logprob=seq.logprobs[-1] if seq.params.logprobs and seq.logprobs else None)
+                    stream.num_output += 1
+                    if stream.first_token_time is None:
+                        stream.first_token_time = now
+                        self.metrics.on_first_token(now - stream.arrival, seq.num_prompt_tokens)
+                    else:
+                        self.metrics.on_token(now - stream.last_token_time)
+                    stream.last_token_time = now
+                    if seq.is_finished:
+                        ev.finish_reason, ev.text = seq.finish_reason, seq.text
+                        del self._streams[seq.seq_id]
+                        self.metrics.on_finish(seq.finish_reason, now - stream.arrival,
+                                               stream.first_token_time - stream.arrival, seq.num_output_tokens)
+                    out.setdefault(stream.loop, []).append((stream, ev))
+                self.metrics.snapshot(self.engine, self.step_log.mixed_steps)
+                for loop, items in out.items():
+                    loop.call_soon_threadsafe(_deliver, items)
+        except BaseException as e:  # noqa: BLE001 - anything kills the engine; report it
+            self.error = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            self._fail_all()
+        finally:
+            self.metrics.engine_alive = 0
+
+    def _fail_all(self) -> None:
+        by_loop: dict[object, list] = {}
+        for stream in self._streams.values():
+            by_loop.setdefault(stream.loop, []).append((stream, TokenEvent(error=self.error)))
+        self._streams.clear()
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                pass
+        # requests still in the inbox: reject them
+        while True:
+            try:
+                op, s = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if op == "add":
+                try:
+                    s.loop.call_soon_threadsafe(_resolve, s.accepted, EngineDeadError(self.error))
+                except RuntimeError:
+                    pass

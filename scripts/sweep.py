@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Runs scripts/bench_serve.py at several concurrency levels and writes a CSV and a PNG plot of
+output throughput against median inter-token latency.
+
+  # the reference sweep, against a running server
+  python scripts/sweep.py --base-url http://127.0.0.1:8000 --random-input-len 1024 --random-output-len 1024
+  # the tiny random model on CPU: starts scripts/serve.py itself
+  python scripts/sweep.py --concurrency 1,4,16 --random-input-len 32 --random-output-len 16 --out-dir /tmp/sweep
+
+Without --base-url it starts the server (scripts/serve.py) on a free loopback port with --model
+(default: the embedded tiny random model) and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+CSV_FIELDS = ["concurrency", "num_prompts", "completed", "failed", "duration", "total_input_tokens",
+              "total_output_tokens", "request_throughput", "output_throughput", "total_token_throughput",
+              "server_decode_throughput", "server_num_preemptions",
+              "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+              "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server at {url} did not become healthy in {timeout:.0f}s")
+
+
+def start_server(a) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, os.path.join(HERE, "serve.py"), "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs or max(a.levels))]
+    if a.model:
+        cmd += ["--model", a.model]
+    if a.max_model_len:
+        cmd += ["--max-model-len", str(a.max_model_len)]
+    cmd += shlex.split(a.server_args or "")
+    print("starting:", " ".join(cmd), flush=True)
+    log = open(os.path.join(a.out_dir, "server.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, a.server_timeout)
+    except Exception:
+        proc.terminate()
+        raise
+    return proc, url
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 5))
+    xs = [r["median_itl_ms"] for r in rows]
+    ys = [r["output_throughput"] for r in rows]
+    ax.plot(xs, ys, "o-")
+    for r, x, y in zip(rows, xs, ys):
+        ax.annotate(f"c={r['concurrency']}", (x, y), textcoords="offset points", xytext=(5, 5))
+    ax.set_xlabel("median inter-token latency (ms)")
+    ax.set_ylabel("output throughput (tokens/s)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1024,2048,3072,4096", help="comma-separated max-concurrency levels")
+    ap.add_argument("--num-prompts", type=int, default=None, help="per level (default: prompts-multiplier x level)")
+    ap.add_argument("--prompts-multiplier", type=float, default=2.0)
+    ap.add_argument("--random-input-len", type=int, default=1024)
+    ap.add_argument("--random-output-len", type=int, default=1024)
+    ap.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
+    ap.add_argument("--request-rate", default="inf")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default="sweep_results")
+    ap.add_argument("--base-url", default=None, help="benchmark this server instead of starting one")
+    ap.add_argument("--model", default=None, help="checkpoint to serve (default: the embedded tiny random model)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="server batch limit (default: top level)")
+    ap.add_argument("--server-args", default="", help="extra arguments for scripts/serve.py")
+    ap.add_argument("--server-timeout", type=float, default=600)
+    ap.add_argument("--disable-tqdm", action="store_true")
+    ap.add_argument("--warmup", action="store_true",
+                    help="before each level, an unmeasured run of `level` short requests (compiles its shapes)")
+    a = ap.parse_args(argv)
+    a.levels = [int(c) for c in a.concurrency.split(",") if c.strip()]
+    os.makedirs(a.out_dir, exist_ok=True)
+
+    import bench_serve
+
+    proc, url = (None, a.base_url) if a.base_url else start_server(a)
+    rows = []
+    try:
+        for c in a.levels:
+            n = a.num_prompts or max(1, int(round(a.prompts_multiplier * c)))
+            argv_b = ["--base-url", url, "--num-prompts", str(n), "--max-concurrency", str(c),
+                      "--request-rate", a.request_rate, "--dataset-name", "random",
+                      "--random-input-len", str(a.random_input_len), "--random-output-len", str(a.random_output_len),
+                      "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+                      "--seed", str(a.seed), "--result-dir", a.out_dir, "--result-filename", f"bench_c{c}.json"]
+            if a.model:
+                argv_b += ["--tokenizer", a.model]
+            if not a.no_ignore_eos:
+                argv_b.append("--ignore-eos")
+            if a.disable_tqdm:
+                argv_b.append("--disable-tqdm")
+            if a.warmup:
+                print(f"\n### warm-up at concurrency {c}", flush=True)
+                warm = list(argv_b)
+                warm[warm.index("--num-prompts") + 1] = str(c)
+                warm[warm.index("--random-output-len") + 1] = str(min(4, a.random_output_len))
+                warm[warm.index("--result-filename") + 1] = f"warmup_c{c}.json"
+                bench_serve.main(warm + ["--seed", str(a.seed + 1)])
+            print(f"\n### concurrency {c}: {n} prompts", flush=True)
+            m = bench_serve.main(argv_b)
+            rows.append({"concurrency": c, "num_prompts": n, **{k: m[k] for k in CSV_FIELDS if k in m}})
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    csv_path = os.path.join(a.out_dir, "sweep.csv")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    png_path = os.path.join(a.out_dir, "sweep.png")
+    plot(rows, png_path, f"in={a.random_input_len} out={a.random_output_len} tokens")
+    print(f"\nwrote {csv_path} and {png_path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

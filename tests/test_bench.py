@@ -1,0 +1,62 @@
+"""scripts/bench_serve.py metric definitions and scripts/sweep.py end to end on the tiny model (CPU)."""
+
+import csv
+import json
+import os
+import sys
+
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+sys.path.insert(0, SCRIPTS)
+
+import bench_serve  # noqa: E402
+import sweep  # noqa: E402
+
+
+def test_metric_definitions_follow_vllm():
+    outs = [bench_serve.RequestOutput(success=True, prompt_len=10, output_tokens=5, ttft=0.1,
+                                      itl=[0.05, 0.05, 0.1, 0.1], latency=0.4),
+            bench_serve.RequestOutput(success=True, prompt_len=20, output_tokens=3, ttft=0.2, itl=[0.2, 0.2],
+                                      latency=0.6),
+            bench_serve.RequestOutput(success=False, error="x")]
+    m = bench_serve.calculate_metrics(outs, duration=2.0, percentiles=[50, 99])
+    assert m["completed"] == 2 and m["failed"] == 1
+    assert m["total_input_tokens"] == 30 and m["total_output_tokens"] == 8
+    assert m["request_throughput"] == 1.0 and m["output_throughput"] == 4.0 and m["total_token_throughput"] == 19.0
+    # TPOT per request = (e2el - ttft) / (output_tokens - 1): 0.075 and 0.2
+    assert m["mean_tpot_ms"] == pytest.approx((75 + 200) / 2)
+    # ITL: all chunk gaps pooled
+    assert m["mean_itl_ms"] == pytest.approx(1000 * 0.7 / 6) and m["median_itl_ms"] == pytest.approx(100)
+    assert m["mean_ttft_ms"] == pytest.approx(150) and m["p50_e2el_ms"] == pytest.approx(500)
+
+
+def test_random_prompts_have_exact_lengths():
+    tok = bench_serve._tokenizer(None)
+    reqs = bench_serve.random_requests(tok, 5, 17, 9, 0.0, seed=3)
+    assert all(len(r.prompt) == 17 == r.prompt_len and r.expected_output_len == 9 for r in reqs)
+    assert all(isinstance(t, int) and 0 <= t < tok.vocab_size for r in reqs for t in r.prompt)
+
+
+def test_sweep_end_to_end_on_tiny_model(tmp_path):
+    out = str(tmp_path / "sweep")
+    rows = sweep.main(["--concurrency", "1,4", "--num-prompts", "8", "--random-input-len", "16",
+                       "--random-output-len", "6", "--dtype", "float32", "--max-model-len", "128",
+                       "--out-dir", out, "--disable-tqdm", "--warmup"])
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    with open(os.path.join(out, "sweep.csv")) as f:
+        table = list(csv.DictReader(f))
+    assert [int(r["concurrency"]) for r in table] == [1, 4]
+    for r in table:
+        assert int(r["completed"]) == 8 and int(r["failed"]) == 0
+        assert int(r["total_input_tokens"]) == 8 * 16 and int(r["total_output_tokens"]) == 8 * 6
+        assert float(r["output_throughput"]) > 0 and float(r["median_itl_ms"]) > 0
+        assert float(r["server_decode_throughput"]) > 0
+    png = os.path.join(out, "sweep.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(os.path.join(out, "bench_c4.json")) as f:
+        res = json.load(f)
+    # one chunk per token, unless the client fell behind and queued tokens shared a chunk
+    assert res["max_concurrency"] == 4 and len(res["itls"]) == 8 and all(1 <= len(x) <= 5 for x in res["itls"])
+    assert res["output_lens"] == [6] * 8 and res["input_lens"] == [16] * 8
