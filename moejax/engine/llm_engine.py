@@ -81,6 +81,8 @@ class LLMEngine:
         else:
             toks, lps = self.runner.decode(seqs)
         dt = time.perf_counter() - t0
+        if getattr(self.runner, "eplb", None) is not None:
+            self.runner.eplb.record()  # expert counts of this step; may rebalance between steps
         if kind == "prefill":
             self.stats.prefill_steps += 1
             self.stats.prefill_tokens += sum(len(s) for s in seqs)

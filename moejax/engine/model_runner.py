@@ -41,7 +41,8 @@ class ModelRunner:
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.num_slots = num_blocks * block_size
-        shape = (self.num_ranks, cfg.num_hidden_layers, self.num_slots, cfg.kv_cache_dim)
+        from moejax.layers.kv_quant import stored_row_dim  # FP8 rows carry their scale (kv_quant.py)
+        shape = (self.num_ranks, cfg.num_hidden_layers, self.num_slots, stored_row_dim(cfg.kv_cache_dim, kv_dtype))
         if mesh is None:
             self.cache = jnp.zeros(shape, kv_dtype)
         else:
@@ -49,6 +50,7 @@ class ModelRunner:
                                  out_shardings=NamedSharding(mesh, P(AXIS)))()
         # How many times each step was traced (= compiled): tests assert on it.
         self.trace_counts: collections.Counter[str] = collections.Counter()
+        self.last_expert_counts = self.last_dispatched = None
         self._prefill = self._compile(self._prefill_rank, "prefill", with_cache=True)
         self._decode = self._compile(self._decode_rank, "decode", with_cache=True)
         self._score = self._compile(self._score_rank, "score", with_cache=False)
@@ -56,28 +58,41 @@ class ModelRunner:
     def _vars(self, params, routing):
         return {"params": params, "routing": routing}
 
+    def _apply_counted(self, v, *args, method):
+        """module.apply that also returns the MoE statistics sown in the step:
+        tokens per logical expert [L_moe, E] and (token, expert) pairs computed here [L_moe]."""
+        out, state = self.module.apply(v, *args, method=method, mutable=["stats"])
+        layers = state.get("stats", {})
+        names = sorted(layers, key=lambda n: int(n.split("_")[1]))
+        if not names:
+            return out, jnp.zeros((0, self.cfg.n_routed_experts), jnp.int32), jnp.zeros((0,), jnp.int32)
+        ex = [layers[n]["mlp"]["experts"] for n in names]
+        return out, jnp.stack([e["expert_counts"][0] for e in ex]), jnp.stack([e["dispatched"][0] for e in ex])
+
     # ----- per-rank compiled bodies ----------------------------------------
     def _prefill_rank(self, params, routing, cache, tokens, seq_lens, slots, samp):
         B, S = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         v = self._vars(params, routing)
-        h, cache = self.module.apply(v, tokens, positions, seq_lens, cache, slots, method="prefill")
+        (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, seq_lens, cache, slots,
+                                                             method="prefill")
         last = h[jnp.arange(B), jnp.maximum(seq_lens - 1, 0)]
         toks, lps = sample(self.module.apply(v, last, method="logits"), *samp, positions=seq_lens)
-        return cache, toks, lps
+        return cache, toks, lps, counts, dispatched
 
     def _decode_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens, samp):
         v = self._vars(params, routing)
-        h, cache = self.module.apply(v, tokens, positions, cache, slots, block_tables, jnp.maximum(seq_lens, 1),
-                                     self.block_size, method="decode")
+        (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, cache, slots, block_tables,
+                                                             jnp.maximum(seq_lens, 1), self.block_size,
+                                                             method="decode")
         toks, lps = sample(self.module.apply(v, h, method="logits"), *samp, positions=positions + 1)
-        return cache, toks, lps
+        return cache, toks, lps, counts, dispatched
 
     def _score_rank(self, params, routing, tokens):
         B, S = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         v = self._vars(params, routing)
-        h, _ = self.module.apply(v, tokens, positions, jnp.full((B,), S, jnp.int32), method="prefill")
+        (h, _), _, _ = self._apply_counted(v, tokens, positions, jnp.full((B,), S, jnp.int32), method="prefill")
         return (self.module.apply(v, h, method="logits"),)
 
     def _compile(self, rank_fn, name: str, with_cache: bool):
@@ -142,8 +157,9 @@ class ModelRunner:
                 tokens[r, i, :n] = s.token_ids
                 lens[r, i] = n
                 slots[r, i, :n] = [self._slot(s, p) for p in range(n)]
-        self.cache, toks, lps = self._prefill(self.params, self.routing, self.cache, tokens, lens, slots,
-                                              self._sampling_arrays(ranks, B))
+        self.cache, toks, lps, counts, dispatched = self._prefill(self.params, self.routing, self.cache, tokens, lens,
+                                                                  slots, self._sampling_arrays(ranks, B))
+        self._record(counts, dispatched)
         got = self._gather(ranks, toks, lps)
         for s in seqs:
             s.num_cached_tokens = len(s)
@@ -163,12 +179,23 @@ class ModelRunner:
                 tokens[r, i], positions[r, i], lens[r, i] = s.token_ids[-1], pos, pos + 1
                 slots[r, i] = self._slot(s, pos)
                 tables[r, i, :len(s.block_table)] = s.block_table
-        self.cache, toks, lps = self._decode(self.params, self.routing, self.cache, tokens, positions, slots,
-                                             tables, lens, self._sampling_arrays(ranks, B))
+        self.cache, toks, lps, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens,
+                                                                 positions, slots, tables, lens,
+                                                                 self._sampling_arrays(ranks, B))
+        self._record(counts, dispatched)
         got = self._gather(ranks, toks, lps)
         for s in seqs:
             s.num_cached_tokens = len(s)
         return np.array([got[s.seq_id][0] for s in seqs]), np.array([got[s.seq_id][1] for s in seqs])
+
+    def _record(self, counts, dispatched):
+        """Keeps the last step's expert statistics on the host (a few KB)."""
+        self.last_expert_counts = np.asarray(counts).sum(0)  # [L_moe, E] over all ranks
+        self.last_dispatched = np.asarray(dispatched)  # [ranks, L_moe], measured in the dispatch
+
+    def set_routing(self, params, routing):
+        """Swaps in permuted expert weights and their placement tables (same shapes: no recompilation)."""
+        self.params, self.routing = params, routing
 
     def score(self, token_ids: np.ndarray) -> np.ndarray:
         """Logits [B, T, V]; on a mesh the prompts are split over the ranks (padded to a multiple)."""

@@ -21,31 +21,44 @@ class ExpertParallel:
     backend: str = "local"
     axis: str | None = None
     n_ranks: int = 1
+    num_redundant: int = 0  # extra physical slots for replicas of hot experts (EPLB)
 
 
 class RoutedExperts(nn.Module):
-    """Expert weights stacked on a leading (physical slot) axis, laid out [E, in, out]
-    for grouped GEMMs; under expert parallelism each rank holds E / ranks of them.
-    ``expert_slot`` (collection "routing") maps logical expert -> physical slot, so a
-    load balancer can permute experts without changing the model."""
+    """Expert weights stacked on a leading physical-slot axis, laid out [slots, in, out]
+    for grouped GEMMs; under expert parallelism each rank holds slots / ranks of them.
+    The "routing" collection maps logical experts to physical slots (``expert_slots``
+    [E, 1 + num_redundant], ``expert_replicas`` [E]), so a load balancer can move and
+    replicate experts without changing the model or recompiling. The "stats"
+    collection receives, per call, the tokens routed to each logical expert
+    (``expert_counts``) and the (token, expert) pairs this rank computed (``dispatched``)."""
     cfg: ModelConfig
     dtype: Any = jnp.float32
     ep: ExpertParallel = ExpertParallel()
 
     @nn.compact
-    def __call__(self, x, topk_idx, topk_weight):
+    def __call__(self, x, topk_idx, topk_weight, valid=None):
         c = self.cfg
         E, H, I = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
-        E_here = E // self.ep.n_ranks  # under shard_map Flax sees this rank's shard
+        here = (E + self.ep.num_redundant) // self.ep.n_ranks  # under shard_map Flax sees this rank's shard
         init = nn.initializers.normal(INIT_STD)
-        wg = self.param("gate_proj", init, (E_here, H, I), self.dtype)
-        wu = self.param("up_proj", init, (E_here, H, I), self.dtype)
-        wd = self.param("down_proj", init, (E_here, I, H), self.dtype)
-        placement = self.variable("routing", "expert_slot", lambda: jnp.arange(E, dtype=jnp.int32)).value
+        wg = self.param("gate_proj", init, (here, H, I), self.dtype)
+        wu = self.param("up_proj", init, (here, H, I), self.dtype)
+        wd = self.param("down_proj", init, (here, I, H), self.dtype)
+        slots = self.variable("routing", "expert_slots",
+                              lambda: jnp.tile(jnp.arange(E, dtype=jnp.int32)[:, None], (1, 1 + self.ep.num_redundant))).value
+        replicas = self.variable("routing", "expert_replicas", lambda: jnp.ones((E,), jnp.int32)).value
+        if valid is None:
+            valid = jnp.ones(x.shape[:1], bool)
+        self.sow("stats", "expert_counts",
+                 jnp.zeros((E,), jnp.int32).at[topk_idx.reshape(-1)].add(jnp.repeat(valid, topk_idx.shape[1]).astype(jnp.int32)))
         if self.ep.backend == "local":
-            return dispatch.local_experts(x, topk_idx, topk_weight, placement, wg, wu, wd)
-        fn = dispatch.dispatch_fn(self.ep.backend)
-        return fn(x, topk_idx, topk_weight, placement, wg, wu, wd, self.ep.axis, self.ep.n_ranks)
+            y, n = dispatch.local_experts(x, topk_idx, topk_weight, valid, slots, replicas, wg, wu, wd)
+        else:
+            fn = dispatch.dispatch_fn(self.ep.backend)
+            y, n = fn(x, topk_idx, topk_weight, valid, slots, replicas, wg, wu, wd, self.ep.axis, self.ep.n_ranks)
+        self.sow("stats", "dispatched", n)
+        return y
 
 
 class MoE(nn.Module):
@@ -60,11 +73,12 @@ class MoE(nn.Module):
         if c.n_shared_experts:
             self.shared_experts = GatedMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, self.dtype)
 
-    def __call__(self, x):
+    def __call__(self, x, valid=None):
+        """valid: which tokens are real (padding is neither counted nor dispatched)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         idx, w = self.gate(flat)
-        out = self.experts(flat, idx, w).astype(x.dtype).reshape(shape)
+        out = self.experts(flat, idx, w, None if valid is None else valid.reshape(-1)).astype(x.dtype).reshape(shape)
         if self.cfg.n_shared_experts:
             out = out + self.shared_experts(x)
         return out

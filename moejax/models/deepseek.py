@@ -29,17 +29,23 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, self.dtype)
 
-    def _ffn(self, h):
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def _ffn(self, h, valid):
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, valid) if self.cfg.is_moe_layer(self.layer) else self.mlp(x))
 
     def prefill(self, x, positions, seq_lens, cache, slots):
         a, cache = self.self_attn.prefill(self.input_layernorm(x), positions, seq_lens, cache, slots)
-        return self._ffn(x + a), cache
+        return self._ffn(x + a, _real_tokens(cache, slots)), cache
 
     def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size):
         a, cache = self.self_attn.decode(self.input_layernorm(x), positions, cache, slots, block_tables,
                                          seq_lens, block_size)
-        return self._ffn(x + a), cache
+        return self._ffn(x + a, _real_tokens(cache, slots)), cache
+
+
+def _real_tokens(cache, slots):
+    """Padding rows write to an out-of-range slot; those tokens are not routed to experts."""
+    return None if cache is None else slots < cache.shape[1]
 
 
 class DeepseekForCausalLM(nn.Module):

@@ -1,10 +1,14 @@
 """MoE dispatch/combine backends (run inside ``jax.shard_map`` over the EP axis).
 
 All share one contract: given this rank's tokens ``x`` [T, H], their logical
-expert choices ``topk_idx``/``topk_weight`` [T, k], the logical -> physical slot
-table ``placement`` [E] and this rank's expert weights ([E_local, ...]), return
-the weighted sum of the chosen experts' outputs for each local token, float32
-[T, H]. Physical slot s lives on rank s // E_local. Shapes are static and no
+expert choices ``topk_idx``/``topk_weight`` [T, k], which tokens are real
+(``valid`` [T]; padding rows are never sent), the placement tables
+(``slots`` [E, max_replicas]: the physical slots of each logical expert,
+``replicas`` [E]) and this rank's expert weights ([E_local, ...]), return
+(the weighted sum of the chosen experts' outputs for each local token, float32
+[T, H]; the number of (token, expert) pairs this rank's experts computed).
+Physical slot s lives on rank s // E_local; a token routed to an expert with
+several replicas goes to replica ``token % replicas``. Shapes are static and no
 token is dropped, whatever the routing.
 
 - ``a2a`` (every platform): each token is sent at most once to each rank that
@@ -28,8 +32,14 @@ from moejax.layers.experts import grouped_expert_mlp
 BACKENDS = ("a2a", "ragged", "replicated")
 
 
+def physical_slots(topk_idx, slots, replicas, token_ids=None):
+    """[T, k] logical experts -> physical slots, splitting a replicated expert's tokens evenly."""
+    t = jnp.arange(topk_idx.shape[0])[:, None] if token_ids is None else token_ids[:, None]
+    return jnp.take_along_axis(slots[topk_idx], (t % replicas[topk_idx])[..., None], axis=-1)[..., 0]
+
+
 def _apply_local_experts(x, local_ids, weights, w_gate, w_up, w_down):
-    """x [M, H]; local_ids/weights [M, k], id -1 = not on this rank. Returns [M, H] float32."""
+    """x [M, H]; local_ids/weights [M, k], id -1 = not on this rank. Returns ([M, H] float32, pairs computed)."""
     M, k = local_ids.shape
     E_loc = w_gate.shape[0]
     valid = local_ids >= 0
@@ -38,25 +48,27 @@ def _apply_local_experts(x, local_ids, weights, w_gate, w_up, w_down):
     group_sizes = jnp.bincount(key, length=E_loc + 1)[:E_loc].astype(jnp.int32)
     row = order // k
     y = grouped_expert_mlp(x[row], group_sizes, w_gate, w_up, w_down)
-    w = jnp.where(valid, weights, 0.0).reshape(-1)[order]
-    y = jnp.where((w != 0)[:, None], y * w[:, None], 0.0)  # rows outside the groups are unspecified
-    return jnp.zeros((M, x.shape[-1]), jnp.float32).at[row].add(y)
+    ok = valid.reshape(-1)[order]
+    w = jnp.where(ok, weights.reshape(-1)[order], 0.0)
+    y = jnp.where(ok[:, None], y * w[:, None], 0.0)  # rows outside the groups are unspecified
+    return jnp.zeros((M, x.shape[-1]), jnp.float32).at[row].add(y), group_sizes.sum()
 
 
-def local_experts(x, topk_idx, topk_weight, placement, w_gate, w_up, w_down):
-    slots = placement[topk_idx]
-    return _apply_local_experts(x, slots, topk_weight, w_gate, w_up, w_down)
+def local_experts(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_down):
+    ids = jnp.where(valid[:, None], physical_slots(topk_idx, slots, replicas), -1)
+    return _apply_local_experts(x, ids, topk_weight, w_gate, w_up, w_down)
 
 
-def _route(topk_idx, placement, E_loc, n_ranks):
-    slots = placement[topk_idx]
-    return slots // E_loc, slots % E_loc  # rank, expert index on that rank
+def _route(topk_idx, valid, slots, replicas, E_loc, token_ids=None):
+    s = physical_slots(topk_idx, slots, replicas, token_ids)
+    rank = jnp.where(valid[:, None], s // E_loc, -1)  # padding goes nowhere
+    return rank, s % E_loc  # rank, expert index on that rank
 
 
-def a2a(x, topk_idx, topk_weight, placement, w_gate, w_up, w_down, axis: str, n_ranks: int):
+def a2a(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_down, axis: str, n_ranks: int):
     T, H = x.shape
     E_loc = w_gate.shape[0]
-    rank, loc = _route(topk_idx, placement, E_loc, n_ranks)
+    rank, loc = _route(topk_idx, valid, slots, replicas, E_loc)
     to = jnp.arange(n_ranks)[:, None, None] == rank[None]  # [R, T, k]
     send = to.any(-1)  # token t goes to rank r
     buf = jnp.where(send[..., None], x[None], jnp.zeros((), x.dtype))  # [R, T, H]
@@ -64,25 +76,26 @@ def a2a(x, topk_idx, topk_weight, placement, w_gate, w_up, w_down, axis: str, n_
     wts = jnp.where(to, topk_weight[None], 0.0)
     exchange = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)
     rx, rids, rw = exchange(buf), exchange(ids), exchange(wts)  # row block j came from rank j
-    y = _apply_local_experts(rx.reshape(n_ranks * T, H), rids.reshape(n_ranks * T, -1),
-                             rw.reshape(n_ranks * T, -1), w_gate, w_up, w_down)
+    y, n = _apply_local_experts(rx.reshape(n_ranks * T, H), rids.reshape(n_ranks * T, -1),
+                                rw.reshape(n_ranks * T, -1), w_gate, w_up, w_down)
     back = exchange(y.astype(x.dtype).reshape(n_ranks, T, H))  # block j: rank j's partial sums
-    return back.astype(jnp.float32).sum(0)
+    return back.astype(jnp.float32).sum(0), n
 
 
-def replicated(x, topk_idx, topk_weight, placement, w_gate, w_up, w_down, axis: str, n_ranks: int):
+def replicated(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_down, axis: str, n_ranks: int):
     E_loc = w_gate.shape[0]
+    T = x.shape[0]
     me = jax.lax.axis_index(axis)
-    gx = jax.lax.all_gather(x, axis, tiled=True)  # [R*T, H]
-    gi = jax.lax.all_gather(topk_idx, axis, tiled=True)
-    gw = jax.lax.all_gather(topk_weight, axis, tiled=True)
-    rank, loc = _route(gi, placement, E_loc, n_ranks)
-    y = _apply_local_experts(gx, jnp.where(rank == me, loc, -1), gw, w_gate, w_up, w_down)
-    return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
+    gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)
+    gx, gi, gw, gv = gather(x), gather(topk_idx), gather(topk_weight), gather(valid)
+    tok = jnp.arange(n_ranks * T) % T  # each rank's own token index, as a2a uses for replicas
+    rank, loc = _route(gi, gv, slots, replicas, E_loc, tok)
+    y, n = _apply_local_experts(gx, jnp.where(rank == me, loc, -1), gw, w_gate, w_up, w_down)
+    return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True), n
 
 
-def ragged(x, topk_idx, topk_weight, placement, w_gate, w_up, w_down, axis: str, n_ranks: int):
-    """As ``a2a`` but moving only the rows that exist (GPU only; not run on several GPUs yet)."""
+def ragged(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_down, axis: str, n_ranks: int):
+    """As ``a2a`` but moving only the rows that exist (GPU only; run on one GPU, not yet on several)."""
     if jax.default_backend() == "cpu":
         raise NotImplementedError("moe_backend 'ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not "
                                   "implement; use 'a2a' or 'replicated' on CPU")
@@ -90,7 +103,7 @@ def ragged(x, topk_idx, topk_weight, placement, w_gate, w_up, w_down, axis: str,
     k = topk_idx.shape[1]
     E_loc = w_gate.shape[0]
     R = n_ranks
-    rank, loc = _route(topk_idx, placement, E_loc, R)
+    rank, loc = _route(topk_idx, valid, slots, replicas, E_loc)
     to = jnp.arange(R)[:, None, None] == rank[None]  # [R, T, k]
     send = to.any(-1)  # [R, T]
     # Pack (rank, token) pairs that exist, grouped by destination rank.
@@ -99,10 +112,8 @@ def ragged(x, topk_idx, topk_weight, placement, w_gate, w_up, w_down, axis: str,
     send_sizes = send.sum(1).astype(jnp.int32)  # [R]
     in_off = jnp.cumsum(send_sizes) - send_sizes
     tok = order % T
-    dst = order // T
     ids = jnp.where(to, loc[None], -1).reshape(R * T, k)[order]
     wts = jnp.where(to, topk_weight[None], 0.0).reshape(R * T, k)[order]
-    payload_x = x[tok]
     sizes = jax.lax.all_gather(send_sizes, axis)  # [R senders, R receivers]
     me = jax.lax.axis_index(axis)
     recv_sizes = sizes[:, me]
@@ -112,17 +123,18 @@ def ragged(x, topk_idx, topk_weight, placement, w_gate, w_up, w_down, axis: str,
     def go(a, out):
         return jax.lax.ragged_all_to_all(a, out, in_off, send_sizes, out_off, recv_sizes, axis_name=axis)
 
-    rx = go(payload_x, jnp.zeros((cap, H), x.dtype))
+    rx = go(x[tok], jnp.zeros((cap, H), x.dtype))
     rids = go(ids, jnp.full((cap, k), -1, jnp.int32))
     rw = go(wts, jnp.zeros((cap, k), wts.dtype))
-    y = _apply_local_experts(rx, rids, rw, w_gate, w_up, w_down).astype(x.dtype)
-    # Return path: what I received from sender s sits at recv offset; it goes back to s's packed rows.
+    valid_rows = jnp.arange(cap) < recv_sizes.sum()
+    y, n = _apply_local_experts(rx, jnp.where(valid_rows[:, None], rids, -1), rw, w_gate, w_up, w_down)
+    # Return path: what I received from sender s goes back to s's packed rows.
     recv_off = jnp.cumsum(recv_sizes) - recv_sizes
     back_out_off = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]  # offset of my chunk inside sender s's packed rows
-    back = jax.lax.ragged_all_to_all(y, jnp.zeros((cap, H), x.dtype), recv_off, recv_sizes, back_out_off,
-                                     send_sizes, axis_name=axis)
-    valid = jnp.arange(cap) < send_sizes.sum()
-    return jnp.zeros((T, H), jnp.float32).at[tok].add(jnp.where(valid[:, None], back.astype(jnp.float32), 0.0))
+    back = jax.lax.ragged_all_to_all(y.astype(x.dtype), jnp.zeros((cap, H), x.dtype), recv_off, recv_sizes,
+                                     back_out_off, send_sizes, axis_name=axis)
+    ok = jnp.arange(cap) < send_sizes.sum()
+    return jnp.zeros((T, H), jnp.float32).at[tok].add(jnp.where(ok[:, None], back.astype(jnp.float32), 0.0)), n
 
 
 def dispatch_fn(backend: str):

@@ -20,10 +20,18 @@ from moejax.weights.safetensors_io import SafetensorsFile, list_checkpoint_files
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
+def model_class(cfg):
+    """The Flax module of a config's family: DeepseekForCausalLM or Step3ForCausalLM."""
+    if getattr(cfg, "family", None) == "step3":
+        from moejax.models.step3 import Step3ForCausalLM
+        return Step3ForCausalLM
+    from moejax.models.deepseek import DeepseekForCausalLM
+    return DeepseekForCausalLM
+
+
 def abstract_variables(cfg: ModelConfig, dtype: str):
     """Shapes and dtypes of the model's variables ("params", "routing"), without allocating them."""
-    from moejax.models.deepseek import DeepseekForCausalLM
-    model = DeepseekForCausalLM(cfg, jnp.dtype(dtype))
+    model = model_class(cfg)(cfg, jnp.dtype(dtype))
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     return jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)
 
@@ -32,13 +40,11 @@ def abstract_params(cfg: ModelConfig, dtype: str):
     return abstract_variables(cfg, dtype)["params"]
 
 
-def initial_routing(cfg: ModelConfig):
-    """The identity expert placement of every MoE layer (logical expert e in slot e)."""
-    return jax.tree.map(lambda a: np.arange(a.shape[0], dtype=np.int32), abstract_variables(cfg, "float32")["routing"])
-
-
 def load_hf_params(directory: str, cfg: ModelConfig, dtype: str = "bfloat16", progress: bool = True):
     """Returns the parameter pytree as NumPy arrays (host memory)."""
+    if getattr(cfg, "family", None) == "step3":  # own name table: moejax/weights/step3_names.py
+        from moejax.weights.step3_loader import load_step3_params
+        return load_step3_params(directory, cfg, dtype, progress)
     expected = flatten(abstract_params(cfg, dtype))
     files = list_checkpoint_files(directory)
     opened: dict[str, SafetensorsFile] = {}

@@ -1,0 +1,1 @@
+"""Expert-parallel load balancing: statistics, balanced placement, online rebalancing."""

@@ -1,0 +1,136 @@
+"""Online expert load balancing: per-layer expert counts from every step over a sliding
+window, balanced placements recomputed every ``interval`` steps, expert weights moved on
+device (a gather along the slot axis) and the placement tables swapped. Shapes never
+change, so nothing recompiles after the first permutation; the model's function is the
+same (only where each expert lives changes), so no request is lost or changed."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.eplb.placement import Placement, balanced_placement, balancedness, rank_loads
+
+_EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_modules(cfg) -> list[tuple[str, ...]]:
+    """Pytree paths of every routed-experts module, in layer order (from the model's routing variables)."""
+    from moejax.weights.hf_names import flatten
+    from moejax.weights.loader import abstract_variables
+    paths = [p[:-1] for p in flatten(abstract_variables(cfg, "float32").get("routing", {})) if p[-1] == "expert_slots"]
+    return sorted(paths, key=lambda p: int(p[0].split("_")[1]))
+
+
+def initial_placements(cfg, num_ranks: int, num_redundant: int) -> dict[tuple[str, ...], Placement]:
+    """Contiguous experts, then replicas of experts 0, 1, ... in the redundant slots."""
+    E = cfg.n_routed_experts
+    if (E + num_redundant) % num_ranks:
+        raise ValueError(f"n_routed_experts + num_redundant_experts = {E + num_redundant} is not divisible by "
+                         f"the {num_ranks} expert-parallel ranks")
+    if num_redundant > E * 7:
+        raise ValueError("num_redundant_experts is too large")
+    slots = np.concatenate([np.arange(E), np.arange(num_redundant) % E]).astype(np.int32)
+    return {path: Placement(slots, num_ranks) for path in expert_modules(cfg)}
+
+
+def routing_tree(placements: dict[tuple[str, ...], Placement], width: int) -> dict:
+    from moejax.weights.hf_names import unflatten
+    flat = {}
+    for path, p in placements.items():
+        slots = p.slots_of_expert()
+        slots = np.concatenate([slots, np.repeat(slots[:, :1], width - slots.shape[1], axis=1)], axis=1)
+        flat[path + ("expert_slots",)] = slots.astype(np.int32)
+        flat[path + ("expert_replicas",)] = p.num_replicas
+    return unflatten(flat)
+
+
+def _map_experts(params: dict, placements, fn) -> dict:
+    """A copy of params with fn(weight, path, placement) applied to each routed-expert weight."""
+    from moejax.weights.hf_names import flatten, unflatten
+    flat = flatten(params)
+    for path, p in placements.items():
+        for w in _EXPERT_WEIGHTS:
+            flat[path + (w,)] = fn(flat[path + (w,)], path, p)
+    return unflatten(flat)
+
+
+def physical_params(params: dict, placements) -> dict:
+    """Logical expert weights [E, ...] -> physical slots [E + redundant, ...] (host arrays, at load)."""
+    return _map_experts(params, placements, lambda w, path, p: np.asarray(w)[p.logical_of_slot])
+
+
+class ExpertLoadBalancer:
+    def __init__(self, runner, placements: dict[str, Placement], num_redundant: int, interval: int = 0,
+                 window: int = 1000, routing_width: int = 1):
+        self.runner, self.placements = runner, dict(placements)
+        self.names = list(placements)  # expert-module paths, in layer order
+        self.num_redundant, self.interval = num_redundant, interval
+        self.routing_width = routing_width
+        self.counts: deque[np.ndarray] = deque(maxlen=window)  # [L_moe, E] per step
+        self.dispatched: deque[np.ndarray] = deque(maxlen=window)  # [ranks, L_moe] per step
+        self.steps = 0
+        self.num_rebalances = 0
+        mesh = runner.mesh
+        if mesh is None:
+            self._take = jax.jit(lambda w, src: jnp.take(w, src, axis=0))
+        else:
+            from jax.sharding import NamedSharding, PartitionSpec as P
+            from moejax.parallel.sharding import AXIS
+            self._take = jax.jit(lambda w, src: jnp.take(w, src, axis=0),
+                                 out_shardings=NamedSharding(mesh, P(AXIS)))
+
+    @property
+    def num_ranks(self) -> int:
+        return next(iter(self.placements.values())).num_ranks if self.placements else 1
+
+    def record(self) -> None:
+        """Called after every step: appends the step's counts; rebalances every ``interval`` steps."""
+        if not self.names or self.runner.last_expert_counts is None:
+            return
+        self.counts.append(self.runner.last_expert_counts)
+        self.dispatched.append(self.runner.last_dispatched)
+        self.steps += 1
+        if self.interval and self.steps % self.interval == 0:
+            self.rebalance()
+
+    def window_load(self) -> np.ndarray:
+        """Tokens routed to each logical expert over the window: [L_moe, E]."""
+        E = self.runner.cfg.n_routed_experts
+        return np.sum(self.counts, axis=0) if self.counts else np.zeros((len(self.names), E))
+
+    def predicted_rank_loads(self, load=None) -> np.ndarray:
+        """[L_moe, ranks]: what the current placements predict each rank computes."""
+        load = self.window_load() if load is None else load
+        return np.stack([rank_loads(load[i], self.placements[n]) for i, n in enumerate(self.names)])
+
+    def measured_rank_loads(self) -> np.ndarray:
+        """[L_moe, ranks]: (token, expert) pairs each rank's dispatch actually computed, over the window."""
+        return np.sum(self.dispatched, axis=0).T if self.dispatched else np.zeros((len(self.names), self.num_ranks))
+
+    def balancedness(self) -> tuple[list[float], float]:
+        """Per MoE layer and overall (mean over layers) mean/max tokens per rank, from measured counts."""
+        per_layer = [balancedness(r) for r in self.measured_rank_loads()]
+        return per_layer, float(np.mean(per_layer)) if per_layer else 1.0
+
+    def rebalance(self, load=None) -> dict[str, Placement]:
+        """Balanced placements from the window's load (or ``load`` [L_moe, E]); moves weights on device."""
+        load = self.window_load() if load is None else np.asarray(load)
+        new = {n: balanced_placement(load[i], self.num_ranks, self.num_redundant) for i, n in enumerate(self.names)}
+        self.apply(new)
+        return new
+
+    def apply(self, new: dict) -> None:
+        def move(w, path, p):  # new slot s takes the weights of a current slot holding expert logical_of_slot[s]
+            src = self.placements[path].slots_of_expert()[p.logical_of_slot, 0]
+            return self._take(w, jnp.asarray(src, jnp.int32))
+
+        params = _map_experts(self.runner.params, new, move)
+        self.placements.update(new)
+        self.runner.set_routing(params, jax.device_put(routing_tree(self.placements, self.routing_width)))
+        self.counts.clear()
+        self.dispatched.clear()
+        self.num_rebalances += 1
