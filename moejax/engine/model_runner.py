@@ -190,7 +190,7 @@ class ModelRunner:
 
     def _record(self, counts, dispatched):
         """Keeps the last step's expert statistics on the host (a few KB)."""
-        self.last_expert_counts = np.asarray(counts).sum(0)  # [L_moe, E] over all ranks
+        self.last_expert_counts = np.asarray(counts)  # [ranks, L_moe, E]: tokens of each source rank
         self.last_dispatched = np.asarray(dispatched)  # [ranks, L_moe], measured in the dispatch
 
     def set_routing(self, params, routing):

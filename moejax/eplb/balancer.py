@@ -70,7 +70,7 @@ class ExpertLoadBalancer:
         self.names = list(placements)  # expert-module paths, in layer order
         self.num_redundant, self.interval = num_redundant, interval
         self.routing_width = routing_width
-        self.counts: deque[np.ndarray] = deque(maxlen=window)  # [L_moe, E] per step
+        self.counts: deque[np.ndarray] = deque(maxlen=window)  # [ranks, L_moe, E] per step
         self.dispatched: deque[np.ndarray] = deque(maxlen=window)  # [ranks, L_moe] per step
         self.steps = 0
         self.num_rebalances = 0
@@ -100,10 +100,23 @@ class ExpertLoadBalancer:
     def window_load(self) -> np.ndarray:
         """Tokens routed to each logical expert over the window: [L_moe, E]."""
         E = self.runner.cfg.n_routed_experts
-        return np.sum(self.counts, axis=0) if self.counts else np.zeros((len(self.names), E))
+        return np.sum(self.counts, axis=(0, 1)) if self.counts else np.zeros((len(self.names), E))
 
-    def predicted_rank_loads(self, load=None) -> np.ndarray:
-        """[L_moe, ranks]: what the current placements predict each rank computes."""
+    def predicted_rank_loads(self) -> np.ndarray:
+        """[L_moe, ranks]: what the current placements predict each rank computes, from the window's
+        per-source-rank counts (a replicated expert serves source rank r from replica r % n)."""
+        by_src = np.sum(self.counts, axis=0)  # [ranks, L_moe, E]
+        out = np.zeros((len(self.names), self.num_ranks))
+        for i, n in enumerate(self.names):
+            p = self.placements[n]
+            slots, reps, per_rank = p.slots_of_expert(), p.num_replicas, p.num_slots // p.num_ranks
+            for r in range(by_src.shape[0]):
+                dest = slots[np.arange(len(reps)), r % reps] // per_rank
+                np.add.at(out[i], dest, by_src[r, i])
+        return out
+
+    def planned_rank_loads(self, load=None) -> np.ndarray:
+        """[L_moe, ranks]: the planning model (a replicated expert's load split evenly)."""
         load = self.window_load() if load is None else load
         return np.stack([rank_loads(load[i], self.placements[n]) for i, n in enumerate(self.names)])
 

@@ -92,11 +92,13 @@ def balanced_placement(load: np.ndarray, num_ranks: int, num_redundant: int = 0,
         for r in range(num_ranks):
             if r == h:
                 continue
+            experts_h = {items[j] for j in groups[h]}
+            experts_r = {items[j] for j in groups[r]}
             for a in groups[h]:
                 for b in groups[r]:
                     d = weight[a] - weight[b]
-                    if d <= 0:
-                        continue
+                    if d <= 0 or items[a] in experts_r or items[b] in experts_h:
+                        continue  # no gain, or two replicas of one expert would share a rank
                     new_max = max(sums[h] - d, sums[r] + d)
                     gain = sums[h] - new_max
                     if gain > 1e-12 and (best is None or gain > best[0]):

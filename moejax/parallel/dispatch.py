@@ -7,9 +7,11 @@ expert choices ``topk_idx``/``topk_weight`` [T, k], which tokens are real
 ``replicas`` [E]) and this rank's expert weights ([E_local, ...]), return
 (the weighted sum of the chosen experts' outputs for each local token, float32
 [T, H]; the number of (token, expert) pairs this rank's experts computed).
-Physical slot s lives on rank s // E_local; a token routed to an expert with
-several replicas goes to replica ``token % replicas``. Shapes are static and no
-token is dropped, whatever the routing.
+Physical slot s lives on rank s // E_local. Shapes are static and no
+token is dropped, whatever the routing. A token routed to an expert with several
+replicas goes to replica ``source_rank % replicas``: with balanced data-parallel
+batches the replicas share the load evenly, and the split is exactly predictable
+from per-rank counts.
 
 - ``a2a`` (every platform): each token is sent at most once to each rank that
   owns one of its experts (buffers [ranks, T, H]: the worst case, every token
@@ -32,10 +34,10 @@ from moejax.layers.experts import grouped_expert_mlp
 BACKENDS = ("a2a", "ragged", "replicated")
 
 
-def physical_slots(topk_idx, slots, replicas, token_ids=None):
-    """[T, k] logical experts -> physical slots, splitting a replicated expert's tokens evenly."""
-    t = jnp.arange(topk_idx.shape[0])[:, None] if token_ids is None else token_ids[:, None]
-    return jnp.take_along_axis(slots[topk_idx], (t % replicas[topk_idx])[..., None], axis=-1)[..., 0]
+def physical_slots(topk_idx, slots, replicas, source_rank):
+    """[T, k] logical experts -> physical slots; a replicated expert serves rank r's tokens from replica r % n."""
+    src = jnp.broadcast_to(jnp.asarray(source_rank).reshape(-1, 1), topk_idx.shape)
+    return jnp.take_along_axis(slots[topk_idx], (src % replicas[topk_idx])[..., None], axis=-1)[..., 0]
 
 
 def _apply_local_experts(x, local_ids, weights, w_gate, w_up, w_down):
@@ -55,12 +57,12 @@ def _apply_local_experts(x, local_ids, weights, w_gate, w_up, w_down):
 
 
 def local_experts(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_down):
-    ids = jnp.where(valid[:, None], physical_slots(topk_idx, slots, replicas), -1)
+    ids = jnp.where(valid[:, None], physical_slots(topk_idx, slots, replicas, 0), -1)
     return _apply_local_experts(x, ids, topk_weight, w_gate, w_up, w_down)
 
 
-def _route(topk_idx, valid, slots, replicas, E_loc, token_ids=None):
-    s = physical_slots(topk_idx, slots, replicas, token_ids)
+def _route(topk_idx, valid, slots, replicas, E_loc, source_rank):
+    s = physical_slots(topk_idx, slots, replicas, source_rank)
     rank = jnp.where(valid[:, None], s // E_loc, -1)  # padding goes nowhere
     return rank, s % E_loc  # rank, expert index on that rank
 
@@ -68,7 +70,7 @@ def _route(topk_idx, valid, slots, replicas, E_loc, token_ids=None):
 def a2a(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_down, axis: str, n_ranks: int):
     T, H = x.shape
     E_loc = w_gate.shape[0]
-    rank, loc = _route(topk_idx, valid, slots, replicas, E_loc)
+    rank, loc = _route(topk_idx, valid, slots, replicas, E_loc, jax.lax.axis_index(axis))
     to = jnp.arange(n_ranks)[:, None, None] == rank[None]  # [R, T, k]
     send = to.any(-1)  # token t goes to rank r
     buf = jnp.where(send[..., None], x[None], jnp.zeros((), x.dtype))  # [R, T, H]
@@ -88,8 +90,7 @@ def replicated(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w
     me = jax.lax.axis_index(axis)
     gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)
     gx, gi, gw, gv = gather(x), gather(topk_idx), gather(topk_weight), gather(valid)
-    tok = jnp.arange(n_ranks * T) % T  # each rank's own token index, as a2a uses for replicas
-    rank, loc = _route(gi, gv, slots, replicas, E_loc, tok)
+    rank, loc = _route(gi, gv, slots, replicas, E_loc, jnp.arange(n_ranks * T) // T)  # source rank of each row
     y, n = _apply_local_experts(gx, jnp.where(rank == me, loc, -1), gw, w_gate, w_up, w_down)
     return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True), n
 
@@ -103,7 +104,7 @@ def ragged(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_dow
     k = topk_idx.shape[1]
     E_loc = w_gate.shape[0]
     R = n_ranks
-    rank, loc = _route(topk_idx, valid, slots, replicas, E_loc)
+    rank, loc = _route(topk_idx, valid, slots, replicas, E_loc, jax.lax.axis_index(axis))
     to = jnp.arange(R)[:, None, None] == rank[None]  # [R, T, k]
     send = to.any(-1)  # [R, T]
     # Pack (rank, token) pairs that exist, grouped by destination rank.
