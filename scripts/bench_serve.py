@@ -249,7 +249,11 @@ async def benchmark(a, reqs: list[SampleRequest]) -> dict:
     m.update({"server_decode_tokens": dtok, "server_decode_time_s": dtime,
               "server_decode_throughput": dtok / dtime if dtime > 0 else 0.0,
               "server_num_preemptions": after.get("vllm:num_preemptions_total", 0)
-              - before.get("vllm:num_preemptions_total", 0)})
+              - before.get("vllm:num_preemptions_total", 0),
+              # EP balancedness (mean/max tokens per rank, measured in the dispatch; imbalance = 1/it)
+              "server_eplb_balancedness": next((v for k, v in after.items()
+                                                if k.startswith("moejax:eplb_balancedness{") and 'layer="all"' in k),
+                                               1.0)})
     m.update({"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if chat else "openai",
               "model_id": model, "base_url": base, "endpoint": a.endpoint, "dataset_name": a.dataset_name,
               "num_prompts": len(reqs), "request_rate": a.request_rate if a.request_rate != float("inf") else "inf",
@@ -271,7 +275,8 @@ def print_report(m: dict, a) -> None:
             ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
             ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
             ("Total Token throughput (tok/s):", f"{m['total_token_throughput']:.2f}"),
-            ("Server decode-only throughput (tok/s):", f"{m['server_decode_throughput']:.2f}")]
+            ("Server decode-only throughput (tok/s):", f"{m['server_decode_throughput']:.2f}"),
+            ("EP balancedness (mean/max per rank):", f"{m.get('server_eplb_balancedness', 1.0):.3f}")]
     for k, v in rows:
         print(f"{k:<40}{v:<10}")
     names = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",

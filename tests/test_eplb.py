@@ -109,3 +109,34 @@ def test_online_rebalance_mid_stream_changes_no_token(ckpt, tmp_path):
     moejax.generate(m, prompts[::-1], **kw)  # more rebalances; same bucket shapes
     assert runner.eplb.num_rebalances > rebalances
     assert runner.trace_counts["decode"] == traces_before["decode"]
+
+
+@pytestmark_devices
+def test_balancedness_in_metrics(ckpt, tmp_path):
+    from moejax.server.metrics import Metrics, parse_metrics
+    m = _load(ckpt, _layout(tmp_path))
+    moejax.generate(m, [[5, 6, 7, 8]] * 8, max_new_tokens=4, ignore_eos=True)
+    metrics = Metrics("t")
+    metrics.snapshot(m.engine, 0)
+    parsed = parse_metrics(metrics.render())
+    overall = next(v for k, v in parsed.items() if k.startswith("moejax:eplb_balancedness{") and 'layer="all"' in k)
+    layers = [v for k, v in parsed.items() if k.startswith("moejax:eplb_balancedness{") and 'layer="all"' not in k]
+    bal = m.engine.runner.eplb
+    assert len(layers) == len(bal.names) and 0 < overall <= 1
+    assert abs(overall - bal.balancedness()[1]) < 1e-9
+
+
+def test_eplb_stats_script(capsys):
+    import runpy
+    import sys
+    argv = sys.argv
+    sys.argv = ["eplb_stats.py", "--experts", "64", "--zipf", "0.4", "--clustered", "--redundant", "8"]
+    try:
+        runpy.run_path(str(__import__("pathlib").Path(__file__).parent.parent / "scripts" / "eplb_stats.py"),
+                       run_name="__main__")
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    before = float(out.split("contiguous: imbalance ")[1].split()[0])
+    after = float(out.split("balanced:   imbalance ")[1].split()[0])
+    assert before >= 1.5 and after <= 1.05

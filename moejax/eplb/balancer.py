@@ -72,6 +72,7 @@ class ExpertLoadBalancer:
         self.routing_width = routing_width
         self.counts: deque[np.ndarray] = deque(maxlen=window)  # [ranks, L_moe, E] per step
         self.dispatched: deque[np.ndarray] = deque(maxlen=window)  # [ranks, L_moe] per step
+        self._dispatched_sum = None
         self.steps = 0
         self.num_rebalances = 0
         mesh = runner.mesh
@@ -91,8 +92,12 @@ class ExpertLoadBalancer:
         """Called after every step: appends the step's counts; rebalances every ``interval`` steps."""
         if not self.names or self.runner.last_expert_counts is None:
             return
-        self.counts.append(self.runner.last_expert_counts)
-        self.dispatched.append(self.runner.last_dispatched)
+        c, d = self.runner.last_expert_counts, self.runner.last_dispatched
+        if len(self.dispatched) == self.dispatched.maxlen:
+            self._dispatched_sum -= self.dispatched[0]
+        self.counts.append(c)
+        self.dispatched.append(d)
+        self._dispatched_sum = d.astype(np.int64) + (self._dispatched_sum if self._dispatched_sum is not None else 0)
         self.steps += 1
         if self.interval and self.steps % self.interval == 0:
             self.rebalance()
@@ -122,7 +127,8 @@ class ExpertLoadBalancer:
 
     def measured_rank_loads(self) -> np.ndarray:
         """[L_moe, ranks]: (token, expert) pairs each rank's dispatch actually computed, over the window."""
-        return np.sum(self.dispatched, axis=0).T if self.dispatched else np.zeros((len(self.names), self.num_ranks))
+        # a running sum: this is read after every step for /metrics
+        return self._dispatched_sum.T if self.dispatched else np.zeros((len(self.names), self.num_ranks))
 
     def balancedness(self) -> tuple[list[float], float]:
         """Per MoE layer and overall (mean over layers) mean/max tokens per rank, from measured counts."""
@@ -146,4 +152,5 @@ class ExpertLoadBalancer:
         self.runner.set_routing(params, jax.device_put(routing_tree(self.placements, self.routing_width)))
         self.counts.clear()
         self.dispatched.clear()
+        self._dispatched_sum = None
         self.num_rebalances += 1

@@ -69,6 +69,9 @@ class Metrics:
         self.engine_stats = None  # a copy of EngineStats
         self.steps_mixed = 0
         self.engine_alive = 1
+        self.eplb_layers: list[float] = []  # balancedness per MoE layer (measured dispatch, sliding window)
+        self.eplb_overall = 1.0
+        self.eplb_rebalances = 0
 
     # ----- engine-thread hooks -------------------------------------------------
     def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
@@ -101,6 +104,10 @@ class Metrics:
             self.num_preemptions = engine.scheduler.num_preemptions
             self.engine_stats = dataclasses.replace(engine.stats)
             self.steps_mixed = mixed_steps
+            bal = getattr(engine.runner, "eplb", None)
+            if bal is not None and bal.dispatched:
+                self.eplb_layers, self.eplb_overall = bal.balancedness()
+                self.eplb_rebalances = bal.num_rebalances
 
     # ----- exposition ------------------------------------------------------------
     def render(self) -> str:
@@ -166,6 +173,13 @@ class Metrics:
                    [(L, self.steps_mixed)])
             metric("moejax:engine_alive", "gauge", "1 while the engine thread runs, 0 once it died.",
                    [(L, self.engine_alive)])
+            metric("moejax:eplb_balancedness", "gauge",
+                   "Mean over max (token, expert) pairs per EP rank, measured in the dispatch over the EPLB window "
+                   "(1 = perfect; imbalance is its inverse); per MoE layer, and overall as the mean over layers.",
+                   [({**L, "layer": "all"}, self.eplb_overall)]
+                   + [({**L, "layer": str(i)}, b) for i, b in enumerate(self.eplb_layers)])
+            metric("moejax:eplb_rebalances_total", "counter", "Expert placements recomputed and applied.",
+                   [(L, self.eplb_rebalances)])
         return "\n".join(out) + "\n"
 
 
