@@ -12,6 +12,10 @@ import jax.numpy as jnp
 
 def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down):
     """x_sorted [N, H] rows grouped by expert; w_gate/w_up [E, H, I], w_down [E, I, H]."""
+    from moejax.kernels.selection import grouped_mlp  # Pallas fused MoE where selected (GPU)
+    y = grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down)
+    if y is not None:
+        return y
     f32 = jnp.float32
     g = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes, preferred_element_type=f32)
     u = jax.lax.ragged_dot(x_sorted, w_up, group_sizes, preferred_element_type=f32)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig
+from moejax.layers.kv_quant import encode_rows
 from moejax.layers.linear import Linear, einsum_f32
 from moejax.layers.mla_decode import mla_decode_attention
 from moejax.layers.norm import RMSNorm
@@ -20,8 +21,9 @@ from moejax.layers.rope import apply_rope, rope_frequencies
 
 
 def write_cache(cache, layer: int, slots, values):
-    """cache [L, num_slots, D]; slots out of range (padding) are dropped."""
-    return cache.at[layer, slots].set(values.astype(cache.dtype), mode="drop")
+    """cache [L, num_slots, D]; slots out of range (padding) are dropped. An FP8 cache stores
+    quantised rows with their scale (moejax/layers/kv_quant.py)."""
+    return cache.at[layer, slots].set(encode_rows(cache, values), mode="drop")
 
 
 class MLA(nn.Module):
@@ -94,7 +96,7 @@ class MLA(nn.Module):
         w_kv_b = self.kv_b_proj.weight.reshape(nh, dn + c.v_head_dim, C)
         w_uk, w_uv = w_kv_b[:, :dn], w_kv_b[:, dn:]
         q_latent = einsum_f32("bhn,hnc->bhc", q_nope, w_uk)
-        ctx = mla_decode_attention(q_latent.astype(x.dtype), q_rope, cache[self.layer], block_tables,
-                                   seq_lens, block_size, c.softmax_scale)
+        ctx = mla_decode_attention(q_latent.astype(x.dtype), q_rope, cache, block_tables,
+                                   seq_lens, block_size, c.softmax_scale, layer=self.layer)
         o = jnp.einsum("bhc,hvc->bhv", ctx.astype(x.dtype), w_uv)
         return self.o_proj(o.reshape(x.shape[0], -1)), cache

@@ -1,0 +1,189 @@
+"""The one place that picks a kernel (Pallas or XLA) and its block sizes.
+
+``select_moe`` and ``select_mla`` decide from static shapes, dtypes and the
+platform (no online profiling, no autotuning at run time); the XLA
+implementation is the fallback everywhere and the default on CPU.
+
+The mode ("auto" | "pallas" | "xla") comes from ``moejax.load(kernels=...)``
+and is read at trace time from a context variable: ``Model`` wraps its Flax
+module in ``KernelScopedModule``, whose ``apply`` sets the mode while the step
+is traced. "auto" = Pallas on GPU (CUDA or ROCm) where the shapes suit the
+Triton kernels, else XLA. "pallas" forces the kernels everywhere; on CPU they
+run in the Pallas interpreter (slow: tests only). ``MOEJAX_PALLAS_INTERPRET=1``
+forces the interpreter on GPU as well (debugging).
+
+Block sizes below are starting points chosen from the kernels' structure and
+the common Triton MoE / decode-attention configurations (vLLM, SGLang); they
+are not tuned on hardware yet: ``scripts/bench_kernels.py --sweep`` times the
+alternatives on the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+KERNEL_MODES = ("auto", "pallas", "xla")
+_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("moejax_kernels", default="auto")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
+    return mode
+
+
+@contextlib.contextmanager
+def kernel_mode(mode: str):
+    """Kernels used by everything traced inside the block."""
+    token = _MODE.set(check_mode(mode))
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def current_mode() -> str:
+    return _MODE.get()
+
+
+class KernelScopedModule:
+    """A Flax module whose ``apply`` traces under ``kernel_mode(mode)``; everything else delegates."""
+
+    def __init__(self, module, mode: str):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "kernels", check_mode(mode))
+
+    def apply(self, *args, **kwargs):
+        with kernel_mode(self.kernels):
+            return self._module.apply(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def __repr__(self):
+        return f"KernelScopedModule({self._module!r}, kernels={self.kernels!r})"
+
+
+@functools.lru_cache(maxsize=None)
+def platform() -> str:
+    """'cuda', 'rocm' or 'cpu' (anything else counts as 'cpu': no Triton)."""
+    backend = jax.default_backend()
+    if backend in ("cuda", "rocm"):
+        return backend
+    if backend == "gpu":
+        try:
+            version = jax.devices()[0].client.platform_version.lower()
+        except Exception:  # pragma: no cover
+            version = ""
+        return "rocm" if "rocm" in version or "hip" in version else "cuda"
+    return "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def num_compute_units() -> int:
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+    except Exception:  # pragma: no cover
+        return 132
+
+
+def _want_pallas(mode: str | None) -> tuple[bool, bool]:
+    """(use Pallas if the shapes allow, forced)."""
+    mode = check_mode(mode or current_mode())
+    if mode == "xla":
+        return False, False
+    if mode == "pallas":
+        return True, True
+    return platform() != "cpu", False
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    impl: str  # "pallas" or "xla"
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reason: str = ""
+
+
+# --------------------------------------------------------------------- fused MoE
+def select_moe(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, mode: str | None = None) -> Choice:
+    """Routed-expert MLP over ``num_rows`` sorted rows: Pallas ``fused_moe`` or XLA ``ragged_dot``."""
+    use, forced = _want_pallas(mode)
+    if not use:
+        return Choice("xla", reason="mode or platform")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        return Choice("xla", reason=f"dtype {jnp.dtype(dtype)}")
+    if not forced and (hidden < 16 or inter < 16):
+        return Choice("xla", reason="dims below the Triton dot minimum (16)")
+    rocm = platform() == "rocm"
+    per_expert = num_rows / max(num_experts, 1)
+    if per_expert <= 16:  # decode: weight streaming, many small programs
+        p = dict(block_m=16, block_n=64, block_k=128, block_n_down=64, block_k_down=64, num_warps=4, num_stages=4)
+    elif per_expert <= 64:
+        p = dict(block_m=32, block_n=64, block_k=128, block_n_down=64, block_k_down=64, num_warps=4, num_stages=3)
+    elif per_expert <= 256:
+        p = dict(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64, num_warps=4, num_stages=3)
+    else:  # prefill
+        p = dict(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64, num_warps=8, num_stages=3)
+    if rocm:
+        p["num_stages"] = 2
+    # Never tiles wider than the (power-of-two-rounded) dims themselves.
+    cap = lambda b, d: max(16, min(b, 1 << max(d - 1, 1).bit_length()))
+    p["block_n"], p["block_n_down"] = cap(p["block_n"], inter), cap(p["block_n_down"], hidden)
+    p["block_k"], p["block_k_down"] = cap(p["block_k"], hidden), cap(p["block_k_down"], inter)
+    return Choice("pallas", p, "forced" if forced else "gpu")
+
+
+def grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, mode: str | None = None):
+    """Routed expert MLP through the selected kernel; None when the XLA path should run."""
+    N, H = x_sorted.shape
+    E, _, I = w_gate.shape
+    c = select_moe(N, E, H, I, x_sorted.dtype, mode)
+    if c.impl != "pallas":
+        return None
+    from pallas_kernels.fused_moe import fused_moe
+    return fused_moe(x_sorted, group_sizes, w_gate, w_up, w_down, **c.params)
+
+
+# ------------------------------------------------------------------ MLA decode
+def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, block_size: int, cache_dtype,
+               mode: str | None = None) -> Choice:
+    """Absorbed MLA decode over the paged cache: Pallas ``mla_decode_pallas`` or the XLA gather path."""
+    use, forced = _want_pallas(mode)
+    if not use:
+        return Choice("xla", reason="mode or platform")
+    if not forced and not (_pow2(latent) and _pow2(rope) and latent >= 16 and rope >= 16 and heads >= 1):
+        return Choice("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
+    rocm = platform() == "rocm"
+    # Triton dots need M >= 16; the interpreter (CPU) takes any head block.
+    block_h = 16 if heads >= 16 or platform() != "cpu" else 1 << max(heads - 1, 0).bit_length()
+    block_t = 16 if rocm else 32
+    head_blocks = -(-heads // block_h)
+    programs = batch * head_blocks
+    target = 2 * num_compute_units()
+    max_splits = max(1, max_len // 256)  # a split should cover >= 256 tokens
+    num_splits = max(1, min(max_splits, -(-target // max(programs, 1)), 16))
+    p = dict(block_h=block_h, block_t=block_t, num_splits=num_splits, num_warps=4, num_stages=1 if rocm else 2)
+    return Choice("pallas", p, "forced" if forced else "gpu")
+
+
+def mla_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size: int, scale: float,
+                  layer: int | None = None, mode: str | None = None):
+    """MLA decode through the selected kernel; None when the XLA path should run."""
+    B, H, C = q_latent.shape
+    c = select_mla(B, H, C, q_rope.shape[-1], block_tables.shape[1] * block_size, block_size, cache.dtype, mode)
+    if c.impl != "pallas":
+        return None
+    from pallas_kernels.mla_decode import mla_decode_pallas
+    return mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, block_size=block_size,
+                             scale=float(scale), layer=layer, **c.params)

@@ -1,0 +1,145 @@
+"""Absorbed MLA decode attention over the paged latent cache (Pallas, Triton backend).
+
+Flash-decoding in two stages:
+
+1. ``_mla_split_kernel``, grid (head blocks, KV splits, batch). Program (h, s, b)
+   takes ``block_h`` query heads of sequence ``b`` and the ``s``-th slice of its
+   context, walks that slice in tiles of ``block_t`` tokens (slot of each token
+   read from the block table in the kernel, latent rows gathered straight from
+   the paged cache: no copy of the cache is ever made), and keeps an online
+   softmax. It writes its partial context (already normalised) and its
+   log-sum-exp. The head-block axis is the fastest grid axis, so the programs
+   of all head blocks of one (sequence, split) run together and share each
+   latent tile through L2: HBM sees the sequence's cache about once. With
+   ``block_h == H`` one program really does all heads against one read.
+2. Reduction over splits (plain JAX, fused by XLA): weights exp(lse_s - lse_max).
+   With one split, stage 1 writes the final result and there is no stage 2.
+
+Variable lengths share one batch: tiles past a sequence's length are never
+visited, the last tile is masked. Cache rows are either the model dtype
+(bf16/f32) or FP8 e4m3 with a per-row power-of-two scale in an extra byte
+(moejax/layers/kv_quant.py); the kernel reads that byte and applies the scale
+to the scores and the probabilities (s_t scales both K_t and V_t).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.compat import compiler_params, interpret_mode
+
+FP8 = jnp.float8_e4m3fn
+
+
+def _mla_split_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, *, layer, C, R, block_size,
+                      nb, block_t, split_len, scale, fp8):
+    b = pl.program_id(2)
+    s = pl.program_id(1)
+    f32 = jnp.float32
+    seq_len = len_ref[b]
+    start = s * split_len
+    n_tok = jnp.clip(seq_len - start, 0, split_len)
+    n_tiles = (n_tok + block_t - 1) // block_t
+    ql = ql_ref[...]  # [BH, C]
+    qr = qr_ref[...]  # [BH, R]
+    cdt = ql.dtype
+    BH = ql.shape[0]
+    offs = jnp.arange(block_t, dtype=jnp.int32)
+
+    def body(i, carry):
+        m, l, acc = carry
+        t = start + i * block_t + offs  # [T] token positions
+        valid = t < seq_len
+        blk = jnp.minimum(t // block_size, nb - 1)
+        page = bt_ref[b, blk]
+        slot = jnp.where(valid, page * block_size + t % block_size, 0)
+        lat = cache_ref[layer, slot, pl.ds(0, C)]  # [T, C] gathered rows
+        rop = cache_ref[layer, slot, pl.ds(C, R)]  # [T, R]
+        if fp8:
+            byte = jax.lax.bitcast_convert_type(cache_ref[layer, slot, C + R], jnp.uint8)
+            row_scale = jnp.exp2(byte.astype(f32) - 127.0)  # [T]
+        lat = jnp.where(valid[:, None], lat.astype(cdt), jnp.zeros((), cdt))
+        rop = jnp.where(valid[:, None], rop.astype(cdt), jnp.zeros((), cdt))
+        sc = jax.lax.dot_general(ql, lat, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+        sc = sc + jax.lax.dot_general(qr, rop, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+        if fp8:
+            sc = sc * (row_scale * scale)[None, :]
+        else:
+            sc = sc * scale
+        sc = jnp.where(valid[None, :], sc, -jnp.inf)  # [BH, T]
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(sc - m_new[:, None])
+        l_new = l * alpha + jnp.sum(p, axis=1)
+        pv = p * row_scale[None, :] if fp8 else p
+        acc = acc * alpha[:, None] + jnp.dot(pv.astype(cdt), lat, preferred_element_type=f32)
+        return m_new, l_new, acc
+
+    # m starts at a large finite negative number (not -inf) so that exp(m - m_new) never sees inf - inf.
+    init = (jnp.full((BH,), -1e30, f32), jnp.zeros((BH,), f32), jnp.zeros((BH, C), f32))
+    m, l, acc = jax.lax.fori_loop(0, n_tiles, body, init)
+    has = l > 0
+    o_ref[...] = acc / jnp.where(has, l, 1.0)[:, None]
+    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "layer", "kv_dim", "block_h", "block_t",
+                                             "num_splits", "num_warps", "num_stages", "interpret"))
+def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_size: int, scale: float,
+                      layer: int | None = None, kv_dim: int | None = None, block_h: int = 16, block_t: int = 32,
+                      num_splits: int = 1, num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None):
+    """q_latent [B, H, C], q_rope [B, H, R], cache [num_slots, D] or [L, num_slots, D] (then ``layer``
+    picks one), block_tables [B, nb], seq_lens [B] (>= 1) -> context latents [B, H, C] float32.
+
+    An FP8 cache (float8_e4m3fn) holds rows in the kv_quant layout. q_latent's dtype is the
+    compute dtype of the dots (bf16 on GPU); accumulation and softmax are float32.
+    """
+    if interpret is None:
+        interpret = interpret_mode()
+    if cache.ndim == 2:
+        cache, layer = cache[None], 0
+    B, H, C = q_latent.shape
+    R = q_rope.shape[-1]
+    nb = block_tables.shape[1]
+    fp8 = jnp.dtype(cache.dtype) == jnp.dtype(FP8)
+    q_rope = q_rope.astype(q_latent.dtype)
+    Hp = pl.cdiv(H, block_h) * block_h
+    if Hp != H:  # heads not a multiple of the head block: zero queries, dropped below
+        q_latent = jnp.pad(q_latent, ((0, 0), (0, Hp - H), (0, 0)))
+        q_rope = jnp.pad(q_rope, ((0, 0), (0, Hp - H), (0, 0)))
+    max_len = nb * block_size
+    split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_t) * block_t
+    num_splits = pl.cdiv(max_len, split_len)
+    grid = (Hp // block_h, num_splits, B)
+    kernel = functools.partial(_mla_split_kernel, layer=layer, C=C, R=R, block_size=block_size, nb=nb,
+                               block_t=block_t, split_len=split_len, scale=float(scale), fp8=fp8)
+    whole = pl.no_block_spec  # whole arrays, indexed by hand in the kernel
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((None, block_h, C), lambda h, s, b: (b, h, 0)),
+            pl.BlockSpec((None, block_h, R), lambda h, s, b: (b, h, 0)),
+            whole, whole, whole,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, block_h, C), lambda h, s, b: (b, s, h, 0)),
+            pl.BlockSpec((None, None, block_h), lambda h, s, b: (b, s, h)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((B, num_splits, Hp, C), jnp.float32),
+                   jax.ShapeDtypeStruct((B, num_splits, Hp), jnp.float32)],
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="mla_decode_split",
+    )(q_latent, q_rope, cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32))
+    if num_splits == 1:
+        out = o[:, 0]
+    else:
+        lmax = jnp.max(lse, axis=1, keepdims=True)
+        w = jnp.exp(lse - jnp.where(jnp.isfinite(lmax), lmax, 0.0))  # [B, S, Hp]; empty splits weigh 0
+        out = jnp.einsum("bsh,bshc->bhc", w, o) / jnp.sum(w, axis=1)[..., None]
+    return out[:, :H]

@@ -1,0 +1,188 @@
+"""GPU microbenchmark: Pallas kernels vs the XLA path at DeepSeek-V3 decode shapes.
+
+    python scripts/bench_kernels.py                 # MoE + MLA, selected block sizes
+    python scripts/bench_kernels.py --sweep         # also alternative block sizes
+    python scripts/bench_kernels.py --only moe --tokens 8 64 256
+    python scripts/bench_kernels.py --smoke         # tiny shapes in interpret mode (checks the script on CPU)
+
+Prints, per case: time of each path, the floor max(bytes / copy bandwidth, FLOPs / matmul rate)
+from bandwidth and matmul rate measured on this card first, achieved bandwidth, and ratios.
+MoE: one GPU's share of DeepSeek-V3 experts (32 experts, H 7168, I 2048), N tokens per expert.
+MLA: 128 heads, C 512, R 64, block 16, context 2000, batch 64..256, bf16 and FP8 cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
+
+from moejax.kernels.selection import kernel_mode, platform, select_mla, select_moe  # noqa: E402
+from moejax.layers.experts import grouped_expert_mlp  # noqa: E402
+from moejax.layers.kv_quant import cache_row_dim, quantize_rows  # noqa: E402
+from moejax.layers.mla_decode import mla_decode_attention  # noqa: E402
+from pallas_kernels.fused_moe import fused_moe  # noqa: E402
+from pallas_kernels.mla_decode import mla_decode_pallas  # noqa: E402
+
+BF16 = jnp.bfloat16
+
+
+def bench(fn, *args, iters=20, warmup=3):
+    """Median seconds per call of a jitted fn (compile excluded)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def measure_card(smoke: bool):
+    n = (1 << 20) if smoke else (1 << 30)  # bytes
+    x = jnp.ones((n // 2,), BF16)
+    t = bench(jax.jit(lambda a: a * 2), x)
+    bw = 2 * n / t  # read + write
+    m = 256 if smoke else 8192
+    a = jnp.ones((m, m), BF16)
+    t = bench(jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32).astype(BF16)), a, a)
+    return bw, 2 * m ** 3 / t
+
+
+def floor(nbytes, flops, bw, rate):
+    return max(nbytes / bw, flops / rate)
+
+
+def run_moe(tokens, bw, rate, sweep, smoke, interpret):
+    E, H, I = (4, 64, 32) if smoke else (32, 7168, 2048)
+    k = jax.random.split(jax.random.key(0), 4)
+    wg = (jax.random.normal(k[1], (E, H, I)) * 0.02).astype(BF16)
+    wu = (jax.random.normal(k[2], (E, H, I)) * 0.02).astype(BF16)
+    wd = (jax.random.normal(k[3], (E, I, H)) * 0.02).astype(BF16)
+    wbytes = 3 * E * H * I * 2
+    print(f"\n== fused MoE: E={E} H={H} I={I} bf16 (weights {wbytes / 1e9:.2f} GB) ==")
+    print(f"{'tok/exp':>7} {'N':>6} {'floor us':>9} {'xla us':>9} {'dense us':>9} {'pallas us':>9} "
+          f"{'xla TB/s':>8} {'pal TB/s':>8} {'xla/pal':>7} {'pal/floor':>9}  params")
+    for t in tokens:
+        N = E * t
+        x = jax.random.normal(k[0], (N, H)).astype(BF16)
+        gs = jnp.full((E,), t, jnp.int32)
+        nbytes = wbytes + N * H * 2 + N * H * 4
+        fl = 2 * N * H * I * 3
+        fl_t = floor(nbytes, fl, bw, rate)
+        with kernel_mode("xla"):
+            t_x = bench(jax.jit(grouped_expert_mlp), x, gs, wg, wu, wd)
+        dense = jax.jit(lambda x, wg, wu, wd: jnp.einsum(
+            "eti,eih->eth", (jax.nn.silu(jnp.einsum("eth,ehi->eti", x, wg, preferred_element_type=jnp.float32))
+                             * jnp.einsum("eth,ehi->eti", x, wu, preferred_element_type=jnp.float32)).astype(BF16),
+            wd, preferred_element_type=jnp.float32))
+        t_d = bench(dense, x.reshape(E, t, H), wg, wu, wd)
+        with kernel_mode("pallas"):
+            p = select_moe(N, E, H, I, BF16).params
+        configs = [p]
+        if sweep:
+            for bm in (16, 32, 64, 128):
+                for bn, bk in ((64, 64), (64, 128), (128, 64), (128, 128)):
+                    for nw in (4, 8):
+                        if bm >= t * 4 and bm > 16:
+                            continue
+                        configs.append(dict(p, block_m=bm, block_n=bn, block_k=bk, block_n_down=bn,
+                                            block_k_down=min(bk, bn), num_warps=nw))
+        for i, c in enumerate(configs):
+            f = jax.jit(functools.partial(fused_moe, **c, interpret=interpret))
+            try:
+                t_p = bench(f, x, gs, wg, wu, wd)
+            except Exception as e:  # a config Triton rejects (shared memory, registers)
+                print(f"{t:>7} {N:>6}  config {c} failed: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            tag = "selected" if i == 0 else ""
+            print(f"{t:>7} {N:>6} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_d * 1e6:9.1f} {t_p * 1e6:9.1f} "
+                  f"{wbytes / t_x / 1e12:8.2f} {wbytes / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  "
+                  f"{tag} {c}")
+
+
+def run_mla(batches, ctx, bw, rate, sweep, smoke, interpret):
+    H, C, R, bs = (16, 64, 16, 16) if smoke else (128, 512, 64, 16)
+    scale = 0.1
+    print(f"\n== MLA decode: H={H} C={C} R={R} block={bs} context={ctx} ==")
+    print(f"{'cache':>5} {'B':>4} {'floor us':>9} {'xla us':>9} {'pallas us':>9} {'xla TB/s':>8} {'pal TB/s':>8} "
+          f"{'xla/pal':>7} {'pal/floor':>9}  params")
+    for kv in ("bf16", "fp8"):
+        for B in batches:
+            nb = -(-ctx // bs)
+            slots = B * nb * bs
+            k = jax.random.split(jax.random.key(B), 4)
+            vals = jax.random.normal(k[0], (slots, C + R), BF16)
+            cache = vals if kv == "bf16" else quantize_rows(vals, cache_row_dim(C + R, "fp8"))
+            del vals
+            cache = cache[None]  # [L=1, slots, D]
+            bt = jax.random.permutation(k[1], slots // bs).reshape(B, nb).astype(jnp.int32)
+            lens = jnp.full((B,), ctx, jnp.int32)
+            ql = jax.random.normal(k[2], (B, H, C), BF16)
+            qr = jax.random.normal(k[3], (B, H, R), BF16)
+            row = cache.shape[-1] * cache.dtype.itemsize
+            nbytes = B * ctx * row + B * H * (C + R) * 2 + B * H * C * 4
+            fl = 2 * B * H * ctx * (2 * C + R)
+            fl_t = floor(nbytes, fl, bw, rate)
+            with kernel_mode("xla"):
+                fx = jax.jit(functools.partial(mla_decode_attention, block_size=bs, scale=scale, layer=0))
+                t_x = bench(fx, ql, qr, cache, bt, lens)
+            with kernel_mode("pallas"):
+                p = select_mla(B, H, C, R, nb * bs, bs, cache.dtype).params
+            configs = [p]
+            if sweep:
+                for bh in (16, 32, 64):
+                    for bt_ in (16, 32, 64):
+                        for ns in sorted({1, 2, 4, 8, p["num_splits"]}):
+                            for nw in (4, 8):
+                                configs.append(dict(p, block_h=bh, block_t=bt_, num_splits=ns, num_warps=nw))
+            for i, c in enumerate(configs):
+                f = jax.jit(functools.partial(mla_decode_pallas, block_size=bs, scale=scale, layer=0, **c,
+                                              interpret=interpret))
+                try:
+                    t_p = bench(f, ql, qr, cache, bt, lens)
+                except Exception as e:
+                    print(f"{kv:>5} {B:>4}  config {c} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                kvb = B * ctx * row
+                print(f"{kv:>5} {B:>4} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_p * 1e6:9.1f} {kvb / t_x / 1e12:8.2f} "
+                      f"{kvb / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {'selected' if i == 0 else ''} {c}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=("moe", "mla"))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256], help="tokens per expert")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--context", type=int, default=2000)
+    ap.add_argument("--sweep", action="store_true", help="also time alternative block sizes")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: checks the script on CPU")
+    a = ap.parse_args()
+    plat = platform()
+    print(f"jax {jax.__version__}, backend {jax.default_backend()} ({plat}), device {jax.devices()[0].device_kind}")
+    if plat == "cpu" and not a.smoke:
+        print("Not on a GPU: the Pallas (Triton) kernels only run here in the interpreter, so nothing is timed.\n"
+              "Run this on the GPU machine, or pass --smoke to check the script with tiny shapes.")
+        return 0
+    interpret = plat == "cpu"
+    if a.smoke:
+        a.tokens, a.batch, a.context = [2, 5], [2], 40
+    bw, rate = measure_card(a.smoke)
+    print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    if a.only in (None, "moe"):
+        run_moe(a.tokens, bw, rate, a.sweep, a.smoke, interpret)
+    if a.only in (None, "mla"):
+        run_mla(a.batch, a.context, bw, rate, a.sweep, a.smoke, interpret)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

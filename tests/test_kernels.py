@@ -1,0 +1,269 @@
+"""Pallas kernels (interpret mode on CPU) against plain float32 references, kernel selection,
+the FP8 latent cache, Triton lowering (IR only), and the model with kernels on vs the XLA path."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.kernels.selection import kernel_mode, select_mla, select_moe
+from moejax.layers.kv_quant import cache_row_dim, dequantize_rows, quantize_rows
+from pallas_kernels.fused_moe import fused_moe
+from pallas_kernels.mla_decode import mla_decode_pallas
+
+BF16 = jnp.bfloat16
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# ------------------------------------------------------------------ fused MoE
+def moe_reference(x, group_sizes, wg, wu, wd):
+    x, wg, wu, wd = (np.asarray(a, np.float32) for a in (x, wg, wu, wd))
+    out, s = np.zeros((x.shape[0], wd.shape[-1]), np.float32), 0
+    for e, g in enumerate(np.asarray(group_sizes)):
+        xe = x[s:s + g]
+        a, b = xe @ wg[e], xe @ wu[e]
+        out[s:s + g] = (a / (1 + np.exp(-a)) * b) @ wd[e]
+        s += g
+    return out
+
+
+def moe_inputs(seed, N, H, I, group_sizes):
+    E = len(group_sizes)
+    k = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(k[0], (N, H)).astype(BF16)
+    wg = (jax.random.normal(k[1], (E, H, I)) / H ** 0.5).astype(BF16)
+    wu = (jax.random.normal(k[2], (E, H, I)) / H ** 0.5).astype(BF16)
+    wd = (jax.random.normal(k[3], (E, I, H)) / I ** 0.5).astype(BF16)
+    return x, jnp.asarray(group_sizes, jnp.int32), wg, wu, wd
+
+
+@pytest.mark.parametrize("N,H,I,group_sizes,blocks", [
+    (13, 40, 24, [3, 0, 7, 2], (16, 16, 16)),       # odd H and I, an empty expert, 1 garbage row
+    (1, 48, 40, [0, 1, 0], (16, 16, 32)),           # one token, empty experts around it
+    (70, 64, 96, [0, 33, 0, 20, 17], (32, 32, 32)),  # prefill-like tiles, groups spanning tiles
+    (24, 32, 32, [6, 6, 6, 6], (16, 32, 32)),       # all aligned (slice fast path)
+])
+def test_fused_moe_matches_reference(N, H, I, group_sizes, blocks):
+    x, gs, wg, wu, wd = moe_inputs(N + H, N, H, I, group_sizes)
+    bm, bn, bk = blocks
+    y = fused_moe(x, gs, wg, wu, wd, block_m=bm, block_n=bn, block_k=bk, block_n_down=bn, block_k_down=bk,
+                  interpret=True)
+    n = int(sum(group_sizes))
+    assert y.shape == (N, H) and y.dtype == jnp.float32
+    assert rel_err(y[:n], moe_reference(x, gs, wg, wu, wd)[:n]) < 1e-2
+    assert not np.any(np.asarray(y[n:]))  # rows outside the groups come back as zeros
+
+
+def test_grouped_expert_mlp_selects_pallas_when_forced():
+    from moejax.layers.experts import grouped_expert_mlp
+    x, gs, wg, wu, wd = moe_inputs(3, 20, 32, 48, [5, 0, 9, 4])
+    with kernel_mode("xla"):
+        ref = grouped_expert_mlp(x, gs, wg, wu, wd)
+    with kernel_mode("pallas"):
+        got = jax.jit(grouped_expert_mlp)(x, gs, wg, wu, wd)
+    assert rel_err(got[:18], ref[:18]) < 1e-2
+
+
+# ------------------------------------------------------------------ MLA decode
+def mla_reference(ql, qr, values, block_tables, seq_lens, block_size, scale):
+    """values [num_slots, C+R] float32 (the cache contents, already dequantised)."""
+    ql, qr, values = (np.asarray(a, np.float64) for a in (ql, qr, values))
+    C = ql.shape[-1]
+    out = np.zeros(ql.shape, np.float64)
+    for b, n in enumerate(np.asarray(seq_lens)):
+        t = np.arange(n)
+        kv = values[np.asarray(block_tables)[b, t // block_size] * block_size + t % block_size]
+        s = (ql[b] @ kv[:, :C].T + qr[b] @ kv[:, C:].T) * scale
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[b] = (p / p.sum(-1, keepdims=True)) @ kv[:, :C]
+    return out
+
+
+def mla_inputs(seed, B, H, C, R, block_size, nb, L=2):
+    k = jax.random.split(jax.random.key(seed), 4)
+    num_slots = B * nb * block_size + block_size
+    values = jax.random.normal(k[0], (L, num_slots, C + R))
+    ql = jax.random.normal(k[1], (B, H, C)).astype(BF16)
+    qr = jax.random.normal(k[2], (B, H, R)).astype(BF16)
+    pages = jax.random.permutation(k[3], num_slots // block_size)[:B * nb]
+    return values, ql, qr, pages.reshape(B, nb).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("B,H,C,R,block_size,nb,lens,block_h,block_t,splits", [
+    (4, 16, 64, 16, 4, 12, [1, 5, 48, 23], 16, 8, 1),    # mixed short / long, one split
+    (3, 12, 32, 16, 8, 8, [64, 1, 37], 8, 16, 3),       # heads not a multiple of the head block, 3 splits
+    (2, 16, 64, 32, 16, 4, [2, 64], 16, 16, 4),         # a split left empty for the short sequence
+])
+def test_mla_decode_matches_reference(kv, B, H, C, R, block_size, nb, lens, block_h, block_t, splits):
+    values, ql, qr, bt = mla_inputs(B * 7 + H, B, H, C, R, block_size, nb)
+    lens = jnp.asarray(lens, jnp.int32)
+    scale = 0.3 / (C + R) ** 0.5 * 4
+    if kv == "bf16":
+        cache = values.astype(BF16)
+        stored = cache[1].astype(jnp.float32)
+    else:
+        cache = quantize_rows(values, cache_row_dim(C + R, "fp8"))
+        stored = dequantize_rows(cache[1], C + R)
+    got = mla_decode_pallas(ql, qr, cache, bt, lens, block_size=block_size, scale=scale, layer=1, block_h=block_h,
+                            block_t=block_t, num_splits=splits, interpret=True)
+    assert got.shape == (B, H, C) and got.dtype == jnp.float32
+    # against the exact attention over what the cache holds
+    assert rel_err(got, mla_reference(ql, qr, stored, bt, lens, block_size, scale)) < 1e-2
+    if kv == "fp8":  # and against the unquantised values: the FP8 cache's own error
+        assert rel_err(got, mla_reference(ql, qr, values[1], bt, lens, block_size, scale)) < 3e-2
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_xla_path_reads_fp8_cache_and_matches_pallas(kv):
+    from moejax.layers.mla_decode import mla_decode_attention
+    B, H, C, R, bs, nb = 3, 16, 32, 16, 4, 6
+    values, ql, qr, bt = mla_inputs(5, B, H, C, R, bs, nb)
+    lens = jnp.asarray([3, 24, 11], jnp.int32)
+    cache = values.astype(BF16) if kv == "auto" else quantize_rows(values, cache_row_dim(C + R, "fp8"))
+    fn = functools.partial(mla_decode_attention, block_size=bs, scale=0.1, layer=1)
+    with kernel_mode("xla"):
+        ref = jax.jit(fn)(ql, qr, cache, bt, lens)
+    with kernel_mode("pallas"):
+        got = jax.jit(fn)(ql, qr, cache, bt, lens)
+    assert rel_err(got, ref) < 1e-2
+    assert rel_err(ref, mla_reference(ql, qr, values[1], bt, lens, bs, 0.1)) < (1e-2 if kv == "auto" else 3e-2)
+
+
+# ------------------------------------------------------------------ FP8 rows
+def test_fp8_rows_layout_and_roundtrip():
+    x = jax.random.normal(jax.random.key(0), (6, 576)) * jnp.array([1e-4, 1e-2, 1, 30, 1e3, 0])[:, None]
+    rows = quantize_rows(x, cache_row_dim(576, "fp8"))
+    assert rows.shape == (6, 592) and rows.dtype == jnp.float8_e4m3fn
+    back = dequantize_rows(rows, 576)
+    for i in range(5):
+        assert rel_err(back[i], x[i]) < 0.04  # e4m3: 3 mantissa bits, ~2.6% rms
+    assert not np.any(np.asarray(back[5]))
+    assert float(jnp.max(jnp.abs(rows[:, :576].astype(jnp.float32)))) <= 448.0
+    with pytest.raises(ValueError):
+        cache_row_dim(576, "int8")
+
+
+# ------------------------------------------------------------------ selection
+def test_selection():
+    with kernel_mode("auto"):  # CPU: XLA
+        assert select_moe(256, 32, 7168, 2048, BF16).impl == "xla"
+        assert select_mla(64, 128, 512, 64, 2048, 16, BF16).impl == "xla"
+    with kernel_mode("xla"):
+        assert select_moe(256, 32, 7168, 2048, BF16).impl == "xla"
+    with kernel_mode("pallas"):
+        decode = select_moe(256, 32, 7168, 2048, BF16)
+        prefill = select_moe(65536, 32, 7168, 2048, BF16)
+        assert decode.impl == prefill.impl == "pallas"
+        assert decode.params["block_m"] == 16 and prefill.params["block_m"] == 128
+        assert "num_warps" in decode.params and "num_stages" in decode.params
+        mla = select_mla(1, 128, 512, 64, 4096, 16, BF16)
+        assert mla.impl == "pallas" and mla.params["num_splits"] > 1  # one sequence: split the context
+        assert select_mla(256, 128, 512, 64, 2048, 16, BF16).params["num_splits"] == 1
+    with pytest.raises(ValueError):
+        select_moe(1, 1, 16, 16, BF16, mode="triton")
+
+
+# ---------------------------------------------------------- Triton lowering (IR only)
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_kernels_lower_to_triton(platform):
+    """Pallas -> Triton IR at DeepSeek-V3 shapes (not compiled to PTX/HSACO: no GPU here)."""
+    S = jax.ShapeDtypeStruct
+    E, H, I = 32, 7168, 2048
+    for N in (256, 8192):
+        with kernel_mode("pallas"):
+            p = select_moe(N, E, H, I, BF16).params
+        f = functools.partial(fused_moe, **p, interpret=False)
+        text = jax.jit(f).trace(S((N, H), BF16), S((E,), jnp.int32), S((E, H, I), BF16), S((E, H, I), BF16),
+                                S((E, I, H), BF16)).lower(lowering_platforms=(platform,)).as_text()
+        assert text.count("xla.gpu.triton") == 2
+    f = functools.partial(fused_moe, interpret=False)  # odd sizes
+    jax.jit(f).trace(S((13, 40), BF16), S((4,), jnp.int32), S((4, 40, 24), BF16), S((4, 40, 24), BF16),
+                     S((4, 24, 40), BF16)).lower(lowering_platforms=(platform,))
+    B, NH, C, R, bs, nb = 64, 128, 512, 64, 16, 128
+    for dt, D in ((BF16, 576), (jnp.float8_e4m3fn, 592)):
+        f = functools.partial(mla_decode_pallas, block_size=bs, scale=0.1, layer=3, num_splits=4, interpret=False)
+        text = jax.jit(f).trace(S((B, NH, C), BF16), S((B, NH, R), BF16), S((4, 8192, D), dt), S((B, nb), jnp.int32),
+                                S((B,), jnp.int32)).lower(lowering_platforms=(platform,)).as_text()
+        assert text.count("xla.gpu.triton") == 1
+
+
+# ------------------------------------------------------------------ the model
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    from moejax.tiny.checkpoint import make_random_checkpoint
+    from moejax.tiny.presets import preset
+    d = str(tmp_path_factory.mktemp("tiny_kernels"))
+    # Every token goes to all 16 experts: the top-k choice has no discontinuity, so the kernels'
+    # rounding cannot flip a routing decision (which moves logits by ~10% in a tiny model).
+    return make_random_checkpoint(d, preset("v3-tiny", num_experts_per_tok=16, n_group=1, topk_group=1),
+                                  seed=3, std=0.05)
+
+
+def _prefill_then_decode(path, kernels, kv_cache_dtype):
+    """Logits of the last prompt token (prefill) and of one decode step, three sequences."""
+    import moejax
+    from moejax.layers.kv_quant import cache_storage_dtype, stored_row_dim
+    bs, nb = 8, 4
+    m = moejax.load(path, dtype="bfloat16", max_model_len=64, max_num_seqs=4, block_size=bs, num_kv_blocks=16,
+                    progress=False, kernels=kernels, kv_cache_dtype=kv_cache_dtype)
+    cfg = m.config
+    dt = cache_storage_dtype(kv_cache_dtype, "bfloat16")
+    num_slots = 16 * bs
+    cache = jnp.zeros((cfg.num_hidden_layers, num_slots, stored_row_dim(cfg.kv_cache_dim, dt)), dt)
+    rng = np.random.default_rng(0)
+    lens = np.array([3, 9, 21])
+    B, S = len(lens), 24
+    tokens = np.zeros((B, S), np.int32)
+    tables = np.arange(B * nb, dtype=np.int32).reshape(B, nb)[:, ::-1].copy()  # non-contiguous pages
+    slots = np.full((B, S), num_slots, np.int32)  # out of range: dropped
+    for b, n in enumerate(lens):
+        tokens[b, :n] = rng.integers(2, cfg.vocab_size, n)
+        slots[b, :n] = tables[b, np.arange(n) // bs] * bs + np.arange(n) % bs
+    v = {"params": m.params, "routing": m.routing}
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+
+    @jax.jit
+    def step(cache):
+        h, cache = m.module.apply(v, tokens, pos, jnp.asarray(lens, jnp.int32), cache, slots, method="prefill")
+        pre = m.module.apply(v, h[jnp.arange(B), lens - 1], method="logits")
+        nxt = jnp.asarray(tokens[np.arange(B), lens - 1] + 1, jnp.int32) % cfg.vocab_size
+        dslots = jnp.asarray(tables[np.arange(B), lens // bs] * bs + lens % bs, jnp.int32)
+        h, cache = m.module.apply(v, nxt, jnp.asarray(lens, jnp.int32), cache, dslots, tables,
+                                  jnp.asarray(lens + 1, jnp.int32), bs, method="decode")
+        return pre, m.module.apply(v, h, method="logits")
+
+    return step(cache)
+
+
+def test_model_logits_pallas_vs_xla(tiny_bf16):
+    pre_x, dec_x = _prefill_then_decode(tiny_bf16, "xla", "auto")
+    pre_p, dec_p = _prefill_then_decode(tiny_bf16, "pallas", "auto")
+    assert rel_err(pre_p, pre_x) < 1e-2 and rel_err(dec_p, dec_x) < 1e-2
+    pre_f, dec_f = _prefill_then_decode(tiny_bf16, "pallas", "fp8")
+    assert rel_err(pre_f, pre_x) < 1e-2  # prefill attends to its own latents: the cache is only written
+    assert rel_err(dec_f, dec_x) < 3e-2
+    pre_fx, dec_fx = _prefill_then_decode(tiny_bf16, "xla", "fp8")
+    assert rel_err(dec_f, dec_fx) < 1e-2  # the same FP8 cache through both paths
+
+
+def test_engine_runs_with_fp8_cache_and_kernels(tiny_bf16):
+    import moejax
+    from moejax.engine.sampling_params import SamplingParams
+    m = moejax.load(tiny_bf16, dtype="bfloat16", max_model_len=64, max_num_seqs=2, block_size=8, num_kv_blocks=16,
+                    progress=False, kernels="pallas", kv_cache_dtype="fp8")
+    assert m.engine.runner.cache.dtype == jnp.float8_e4m3fn and m.engine.runner.cache.shape[-1] == 64
+    seq = m.engine.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    while not seq.is_finished:
+        m.engine.step()
+    assert seq.num_output_tokens == 3
+    with pytest.raises(ValueError):
+        moejax.load(tiny_bf16, kernels="cuda", progress=False)
+    with pytest.raises(ValueError):
+        moejax.load(tiny_bf16, kv_cache_dtype="int8", progress=False)
