@@ -121,6 +121,11 @@ class ModelConfig:
             return _parse(json.load(f))
 
 
+def load_model_config(d: dict[str, Any]):
+    """The config of any supported family: ModelConfig (DeepSeek) or Step3Config."""
+    return _parse(d)
+
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
@@ -169,8 +174,11 @@ def _parse_rope(d: dict[str, Any]) -> RopeConfig:
 def _parse(d: dict[str, Any]) -> ModelConfig:
     # A vision-language wrapper may nest the text config.
     mt = d.get("model_type")
+    if mt in ("step3_text", "step3_vl"):  # Step3 has its own config class (moejax/models/step3_config.py)
+        from moejax.models.step3_config import parse_step3_config
+        return parse_step3_config(d)
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise _bad("model_type", mt, f"supported model types are {list(SUPPORTED_MODEL_TYPES)}")
+        raise _bad("model_type", mt, f"supported model types are {list(SUPPORTED_MODEL_TYPES) + ['step3_text', 'step3_vl']}")
     known = set(_REQUIRED_FIELDS) | _IGNORED_FIELDS
     unknown = sorted(set(d) - known)
     if unknown:

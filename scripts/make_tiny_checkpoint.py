@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""Write a random-weight DeepSeek-V2/V3 checkpoint in HF layout (safetensors + config + tokenizer).
+"""Write a random-weight DeepSeek-V2/V3 or Step3 checkpoint in HF layout (safetensors + config + tokenizer).
 
 The weights are random: the model is for tests, demos and benchmarks, not for text.
 
   python scripts/make_tiny_checkpoint.py OUT --preset v3-tiny
   python scripts/make_tiny_checkpoint.py OUT --preset deepseek-v2-lite --set num_hidden_layers=4 --dtype bfloat16
   python scripts/make_tiny_checkpoint.py OUT --config my_config.json --fp8 --via numpy
+  python scripts/make_tiny_checkpoint.py OUT --preset step3-tiny --via numpy   (Step3: numpy only)
 """
 
 import argparse
@@ -46,6 +47,8 @@ def main(argv=None):
         k, v = kv.split("=", 1)
         cfg[k] = _value(v)
     if a.via == "transformers":
+        if cfg.get("model_type") in ("step3_text", "step3_vl"):
+            ap.error(f"model_type {cfg['model_type']!r}: transformers has no Step3 class; use --via numpy")
         if a.dtype != "float32":
             ap.error("--via transformers writes float32; use --via numpy for bfloat16")
         from moejax.tiny.transformers_checkpoint import make_hf_checkpoint

@@ -84,6 +84,9 @@ def write_checkpoint(directory: str, hf_config: dict, tensors: dict[str, np.ndar
 
 def make_random_checkpoint(directory: str, hf_config: dict, seed: int = 0, dtype: str = "float32",
                            fp8: bool = False, max_shard_bytes: int | None = None, std: float = 0.02) -> str:
+    if hf_config.get("model_type") in ("step3_text", "step3_vl"):  # Step3: its own name table
+        from moejax.tiny.step3_checkpoint import make_random_step3_checkpoint
+        return make_random_step3_checkpoint(directory, hf_config, seed, dtype, fp8, max_shard_bytes, std)
     hf_config = dict(hf_config)
     cfg = ModelConfig.from_dict(hf_config)
     params = random_params(cfg, seed, std)

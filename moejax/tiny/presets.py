@@ -47,7 +47,24 @@ _V3 = {**_V3_TINY, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size
        "rope_scaling": {**_V3_TINY["rope_scaling"], "factor": 40, "original_max_position_embeddings": 4096},
        "num_nextn_predict_layers": 1}
 
-PRESETS = {"v3-tiny": _V3_TINY, "v2-lite-tiny": _V2_LITE_TINY, "deepseek-v2-lite": _V2_LITE, "deepseek-v3": _V3}
+# Step3 (StepFun) text model: MFA attention (low-rank query, one shared 256-dim KV head), 48 experts top-3.
+_STEP3_TINY = {
+    "architectures": ["Step3TextForCausalLM"], "model_type": "step3_text",
+    "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_attention_groups": 1, "head_dim": 16, "share_q_dim": 32,
+    "moe_layers_enum": "1,2", "moe_num_experts": 16, "moe_top_k": 3, "moe_intermediate_size": 32,
+    "share_expert_dim": 32, "norm_expert_weight": False, "max_seq_len": 2048, "max_position_embedding": 2048,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": None, "bos_token_id": 0, "eos_token_id": 1,
+    "hidden_act": "silu", "tie_word_embeddings": False,
+}
+_STEP3 = {**_STEP3_TINY, "vocab_size": 128815, "hidden_size": 7168, "intermediate_size": 18432,
+          "num_hidden_layers": 61, "num_attention_heads": 64, "head_dim": 256, "share_q_dim": 2048,
+          "moe_layers_enum": ",".join(str(i) for i in range(4, 60)), "moe_num_experts": 48,
+          "moe_intermediate_size": 5120, "share_expert_dim": 5120, "max_seq_len": 65536,
+          "max_position_embedding": 65536}
+
+PRESETS = {"v3-tiny": _V3_TINY, "v2-lite-tiny": _V2_LITE_TINY, "deepseek-v2-lite": _V2_LITE, "deepseek-v3": _V3,
+           "step3-tiny": _STEP3_TINY, "step3": _STEP3}
 
 
 def preset(name: str, **overrides) -> dict:

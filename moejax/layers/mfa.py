@@ -1,0 +1,110 @@
+"""Step3's Multi-Matrix Factorization Attention (MFA).
+
+The query is low rank: hidden -> ``share_q_dim`` (q_proj), RMSNorm (inter_norm),
+then ``wq`` expands it to every head. All query heads share
+``num_attention_groups`` KV heads (one in the published model) of ``head_dim``,
+rotated (rotate-half / NeoX) over the whole head.
+
+The paged cache holds, per token per layer, ``[k | v]`` of every KV head
+(2 * groups * head_dim values: 512 for Step3). Prefill attends over the prompt
+itself and writes the rows at ``slots``; decode writes the new token's row,
+gathers each sequence's rows once through its block table and computes every
+query head against them in one einsum (the cache is read once per sequence,
+not once per head).
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from moejax.layers.linear import Linear, einsum_f32
+from moejax.layers.mla import write_cache
+from moejax.layers.mla_decode import gather_sequence_slots
+from moejax.layers.norm import RMSNorm
+from moejax.layers.rope import apply_rope, rope_frequencies
+
+
+def mfa_decode_attention(q, cache_layer, block_tables, seq_lens, block_size: int, scale: float, num_kv_heads: int):
+    """q [B, nh, D] (rotated), cache_layer [num_slots, 2*G*D] rows [k | v], block_tables [B, nb],
+    seq_lens [B] (>= 1) -> context [B, nh, D] float32.
+
+    One gather of the sequence's rows, then one einsum for all heads of each KV group."""
+    B, nh, D = q.shape
+    G = num_kv_heads
+    kv = cache_layer[gather_sequence_slots(block_tables, block_size)]  # [B, T, 2*G*D]: the only cache read
+    if jnp.dtype(kv.dtype) == jnp.dtype(jnp.float8_e4m3fn):  # FP8 cache rows (layers/kv_quant.py layout)
+        from moejax.layers.kv_quant import dequantize_rows
+        kv = dequantize_rows(kv, 2 * G * D).astype(q.dtype)
+    T = kv.shape[1]
+    k = kv[..., :G * D].reshape(B, T, G, D)
+    v = kv[..., G * D:].reshape(B, T, G, D)
+    qg = q.reshape(B, G, nh // G, D).astype(kv.dtype)
+    s = einsum_f32("bgnd,btgd->bgnt", qg, k) * scale
+    valid = jnp.arange(T)[None, :] < seq_lens[:, None]
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    ctx = einsum_f32("bgnt,btgd->bgnd", p.astype(kv.dtype), v)
+    return ctx.reshape(B, nh, D)
+
+
+class MFA(nn.Module):
+    cfg: Any  # Step3Config
+    layer: int
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        c, dt = self.cfg, self.dtype
+        H, nh, G, D = c.hidden_size, c.num_attention_heads, c.num_attention_groups, c.head_dim
+        self.q_proj = Linear(H, c.share_q_dim, dt)
+        self.k_proj = Linear(H, G * D, dt)
+        self.v_proj = Linear(H, G * D, dt)
+        self.inter_norm = RMSNorm(c.share_q_dim, c.rms_norm_eps, dt)
+        self.wq = Linear(c.share_q_dim, nh * D, dt)
+        self.o_proj = Linear(nh * D, H, dt)
+
+    def _rope(self, x, positions):
+        inv_freq, attn_factor = rope_frequencies(self.cfg.rope, self.cfg.head_dim)
+        return apply_rope(x, positions, inv_freq, attn_factor, interleave=False)
+
+    def _query(self, x, positions):
+        c = self.cfg
+        q = self.wq(self.inter_norm(self.q_proj(x)))
+        return self._rope(q.reshape(*x.shape[:-1], c.num_attention_heads, c.head_dim), positions)
+
+    def _kv_row(self, x, positions):
+        """The cache entry of each token: [rotated k of every KV head | v of every KV head]."""
+        c = self.cfg
+        G, D = c.num_attention_groups, c.head_dim
+        k = self._rope(self.k_proj(x).reshape(*x.shape[:-1], G, D), positions)
+        v = self.v_proj(x)
+        return jnp.concatenate([k.reshape(*x.shape[:-1], G * D).astype(v.dtype), v], axis=-1)
+
+    def prefill(self, x, positions, seq_lens, cache=None, slots=None):
+        """x [B, S, H], positions [B, S], seq_lens [B]; writes [k | v] rows to cache at slots [B, S]."""
+        c = self.cfg
+        B, S, _ = x.shape
+        nh, G, D = c.num_attention_heads, c.num_attention_groups, c.head_dim
+        q = self._query(x, positions).reshape(B, S, G, nh // G, D)
+        row = self._kv_row(x, positions)
+        if cache is not None:
+            cache = write_cache(cache, self.layer, slots.reshape(-1), row.reshape(B * S, -1))
+        k = row[..., :G * D].reshape(B, S, G, D)
+        v = row[..., G * D:].reshape(B, S, G, D)
+        s = einsum_f32("bqgnd,bkgd->bgnqk", q, k) * c.softmax_scale
+        qpos = jnp.arange(S)
+        mask = (qpos[None, :] <= qpos[:, None])[None] & (qpos[None, None, :] < seq_lens[:, None, None])
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
+        o = jnp.einsum("bgnqk,bkgd->bqgnd", p, v).reshape(B, S, nh * D)
+        return self.o_proj(o), cache
+
+    def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size: int):
+        """x [B, H] one new token per sequence, already counted in seq_lens."""
+        c = self.cfg
+        q = self._query(x, positions)  # [B, nh, D]
+        cache = write_cache(cache, self.layer, slots, self._kv_row(x, positions))
+        ctx = mfa_decode_attention(q, cache[self.layer], block_tables, seq_lens, block_size, c.softmax_scale,
+                                   c.num_attention_groups)
+        return self.o_proj(ctx.astype(x.dtype).reshape(x.shape[0], -1)), cache
