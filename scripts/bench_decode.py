@@ -44,7 +44,7 @@ def measure_matmul_rate(n=8192):
     return 2 * n ** 3 / min(ts)
 
 
-def step_floor(cfg, batch, ctx, itemsize=2):
+def step_floor(cfg, batch, ctx, itemsize=2, kv_itemsize=2):
     """Bytes and FLOPs of one decode step (all experts assumed touched: true at these batch sizes)."""
     H, L = cfg.hidden_size, cfg.num_hidden_layers
     nh, C, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -57,14 +57,15 @@ def step_floor(cfg, batch, ctx, itemsize=2):
     n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
     weights = L * attn_w + (L - n_moe) * dense_w + n_moe * (cfg.n_routed_experts * expert_w + shared_w) + 2 * cfg.vocab_size * H
     kv = L * batch * ctx * cfg.kv_cache_dim
-    bytes_ = itemsize * (weights + kv)
+    bytes_ = itemsize * weights + kv_itemsize * kv
     active = L * attn_w + (L - n_moe) * dense_w + n_moe * (cfg.num_experts_per_tok * expert_w + shared_w) + cfg.vocab_size * H
     flops = 2 * batch * active + 2 * L * batch * ctx * nh * (2 * C + R)  # + absorbed attention
     return bytes_, flops
 
 
 def run_one(hf, parallel, a):
-    m = random_model(hf, a.dtype, parallel=None if parallel == "none" else parallel,
+    m = random_model(hf, a.dtype, parallel=None if parallel == "none" else parallel, kernels=a.kernels,
+                     kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype],
                      max_model_len=a.input_len + a.output_len + 16, max_num_seqs=a.concurrency,
                      num_kv_blocks=a.concurrency * (-(-(a.input_len + a.output_len + 16) // 16)))
     eng = m.engine
@@ -99,6 +100,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--parallel", default="none", help="comma list: none (plain path) and/or configs, e.g. none,dp1-ep1")
+    ap.add_argument("--kernels", choices=["auto", "pallas", "xla"], default="xla")
+    ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     hf = preset(a.preset)
@@ -111,7 +114,7 @@ def main(argv=None):
     cfg = ModelConfig.from_dict(hf)
     bw, rate = measure_copy_bandwidth(), measure_matmul_rate()
     ctx = a.input_len + a.warmup + a.steps // 2
-    nbytes, flops = step_floor(cfg, a.concurrency, ctx)
+    nbytes, flops = step_floor(cfg, a.concurrency, ctx, kv_itemsize=1 if a.kv_dtype == "fp8" else 2)
     floor = max(nbytes / bw, flops / rate)
     print(f"device: {jax.devices()[0].device_kind}; measured copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     print(f"step floors: memory {nbytes / bw * 1e3:.3f} ms ({nbytes / 1e9:.2f} GB), compute {flops / rate * 1e3:.3f} ms "

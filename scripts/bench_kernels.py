@@ -157,9 +157,29 @@ def run_mla(batches, ctx, bw, rate, sweep, smoke, interpret):
                       f"{kvb / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {'selected' if i == 0 else ''} {c}")
 
 
+def run_mfa(batches, ctx, bw, smoke):
+    """Step3 MFA decode attention (XLA path): 64 query heads against one 256-dim K/V head per token,
+    timed against the bytes it must read (the batch's [k|v] rows, once)."""
+    from moejax.layers.mfa import mfa_decode_attention
+    nh, D, bs = (4, 16, 4) if smoke else (64, 256, 16)
+    print(f"\n== Step3 MFA decode attention (XLA), {nh} heads x {D}, 1 KV head, context {ctx}, bf16 cache ==")
+    for B in batches:
+        nb = -(-ctx // bs)
+        key = jax.random.key(B)
+        cache = jax.random.normal(key, (B * nb * bs, 2 * D), jnp.float32).astype(BF16)
+        tables = jnp.arange(B * nb, dtype=jnp.int32).reshape(B, nb)
+        q = jax.random.normal(jax.random.fold_in(key, 1), (B, nh, D), jnp.float32).astype(BF16)
+        lens = jnp.full((B,), ctx, jnp.int32)
+        fn = jax.jit(lambda q, c, t, l: mfa_decode_attention(q, c, t, l, bs, D ** -0.5, 1))
+        t = bench(fn, q, cache, tables, lens)
+        nbytes = B * ctx * 2 * D * 2
+        print(f"batch {B:4d}: {t * 1e6:9.1f} us, reads {nbytes / 1e6:8.1f} MB -> {nbytes / t / 1e12:5.2f} TB/s "
+              f"= {nbytes / bw / t * 100:5.1f}% of copy bandwidth (floor {nbytes / bw * 1e6:.1f} us)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("moe", "mla"))
+    ap.add_argument("--only", choices=("moe", "mla", "mfa"))
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256], help="tokens per expert")
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--context", type=int, default=2000)
@@ -181,6 +201,8 @@ def main():
         run_moe(a.tokens, bw, rate, a.sweep, a.smoke, interpret)
     if a.only in (None, "mla"):
         run_mla(a.batch, a.context, bw, rate, a.sweep, a.smoke, interpret)
+    if a.only in (None, "mfa"):
+        run_mfa(a.batch, 4096 if not a.smoke else a.context, bw, a.smoke)
     return 0
 
 
