@@ -19,29 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate
 from moejax.engine.sampling_params import SamplingParams
 from moejax.tiny.presets import preset
 from moejax.tiny.random_model import random_model
-
-
-def measure_copy_bandwidth(nbytes=4 << 30):
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: a * 1.0001)
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter(); f(x).block_until_ready(); ts.append(time.perf_counter() - t)
-    return 2 * nbytes / min(ts)  # read + write
-
-
-def measure_matmul_rate(n=8192):
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a: a @ a)
-    f(a).block_until_ready()
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter(); f(a).block_until_ready(); ts.append(time.perf_counter() - t)
-    return 2 * n ** 3 / min(ts)
 
 
 def step_floor(cfg, batch, ctx, itemsize=2, kv_itemsize=2):

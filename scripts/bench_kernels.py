@@ -47,14 +47,9 @@ def bench(fn, *args, iters=20, warmup=3):
 
 
 def measure_card(smoke: bool):
-    n = (1 << 20) if smoke else (1 << 30)  # bytes
-    x = jnp.ones((n // 2,), BF16)
-    t = bench(jax.jit(lambda a: a * 2), x)
-    bw = 2 * n / t  # read + write
-    m = 256 if smoke else 8192
-    a = jnp.ones((m, m), BF16)
-    t = bench(jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32).astype(BF16)), a, a)
-    return bw, 2 * m ** 3 / t
+    from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate
+    return (measure_copy_bandwidth(1 << 20), measure_matmul_rate(256)) if smoke else \
+        (measure_copy_bandwidth(), measure_matmul_rate())
 
 
 def floor(nbytes, flops, bw, rate):

@@ -1,0 +1,31 @@
+"""The two floors every benchmark reports: bytes over the measured copy bandwidth and
+FLOPs over the measured bf16 matmul rate, measured on the device in the same run."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def _best(fn, *args, iters=5):
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Bytes/s of an elementwise bf16 pass (read + write) over a buffer larger than any cache."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    return 2 * nbytes / _best(jax.jit(lambda a: a * 1.0001), x)
+
+
+def measure_matmul_rate(n: int = 8192) -> float:
+    """bf16 FLOP/s of an n x n x n matmul with f32 accumulation."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    return 2 * n ** 3 / _best(jax.jit(lambda p: jnp.dot(p, p, preferred_element_type=jnp.float32).astype(jnp.bfloat16)), a)
