@@ -2,7 +2,6 @@
 
 from typing import Any
 
-import flax.linen as nn
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig
@@ -11,9 +10,10 @@ from moejax.layers.mla import MLA
 from moejax.layers.mlp import GatedMLP
 from moejax.layers.moe import ExpertParallel, MoE
 from moejax.layers.norm import RMSNorm
+from moejax.models.decoder import CausalLM, PreNormDecoderLayer
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     cfg: ModelConfig
     layer: int
     dtype: Any = jnp.float32
@@ -29,26 +29,11 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, self.dtype)
 
-    def _ffn(self, h, valid):
-        x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, valid) if self.cfg.is_moe_layer(self.layer) else self.mlp(x))
-
-    def prefill(self, x, positions, seq_lens, cache, slots):
-        a, cache = self.self_attn.prefill(self.input_layernorm(x), positions, seq_lens, cache, slots)
-        return self._ffn(x + a, _real_tokens(cache, slots)), cache
-
-    def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size):
-        a, cache = self.self_attn.decode(self.input_layernorm(x), positions, cache, slots, block_tables,
-                                         seq_lens, block_size)
-        return self._ffn(x + a, _real_tokens(cache, slots)), cache
+    def ffn(self, x, valid):
+        return self.mlp(x, valid) if self.cfg.is_moe_layer(self.layer) else self.mlp(x)
 
 
-def _real_tokens(cache, slots):
-    """Padding rows write to an out-of-range slot; those tokens are not routed to experts."""
-    return None if cache is None else slots < cache.shape[1]
-
-
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(CausalLM):
     cfg: ModelConfig
     dtype: Any = jnp.float32
     ep: ExpertParallel = ExpertParallel()
@@ -59,26 +44,3 @@ class DeepseekForCausalLM(nn.Module):
         self.layers = [DecoderLayer(c, i, self.dtype, self.ep) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, self.dtype)
-
-    def prefill(self, tokens, positions, seq_lens, cache=None, slots=None):
-        """tokens [B, S] -> final hidden states [B, S, H] (before the last norm), cache."""
-        h = self.embed_tokens(tokens)
-        for layer in self.layers:
-            h, cache = layer.prefill(h, positions, seq_lens, cache, slots)
-        return h, cache
-
-    def decode(self, tokens, positions, cache, slots, block_tables, seq_lens, block_size: int):
-        h = self.embed_tokens(tokens)
-        for layer in self.layers:
-            h, cache = layer.decode(h, positions, cache, slots, block_tables, seq_lens, block_size)
-        return h, cache
-
-    def logits(self, h):
-        return self.lm_head(self.norm(h)).astype(jnp.float32)
-
-    def __call__(self, tokens):
-        """Used only to create parameters (init)."""
-        B, S = tokens.shape
-        pos = jnp.broadcast_to(jnp.arange(S), (B, S))
-        h, _ = self.prefill(tokens, pos, jnp.full((B,), S))
-        return self.logits(h)

@@ -87,6 +87,11 @@ class Step3Config:
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 
+    @property
+    def n_shared_experts(self) -> int:
+        """The shared MoE block adds no shared expert: Step3's sits beside it (share_expert)."""
+        return 0
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Step3Config":
         return parse_step3_config(d)
