@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from moejax.config import ModelConfig
 from moejax.weights.fp8 import dequantize_block_fp8
 from moejax.weights.hf_names import flatten, hf_to_param, is_stacked_expert, param_to_hf, unflatten
-from moejax.weights.safetensors_io import SafetensorsFile, list_checkpoint_files
+from moejax.weights.safetensors_io import CheckpointReader
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -46,14 +46,8 @@ def load_hf_params(directory: str, cfg: ModelConfig, dtype: str = "bfloat16", pr
         from moejax.weights.step3_loader import load_step3_params
         return load_step3_params(directory, cfg, dtype, progress)
     expected = flatten(abstract_params(cfg, dtype))
-    files = list_checkpoint_files(directory)
-    opened: dict[str, SafetensorsFile] = {}
-
-    def tensor(name):
-        path = files[name]
-        if path not in opened:
-            opened[path] = SafetensorsFile(path)
-        return opened[path].get(name)
+    files = CheckpointReader(directory)
+    tensor = files.get
 
     out: dict[tuple[str, ...], np.ndarray] = {}
     experts_seen: dict[tuple[str, ...], set[int]] = {}

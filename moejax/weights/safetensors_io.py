@@ -93,3 +93,23 @@ def list_checkpoint_files(directory: str) -> dict[str, str]:
         for k in SafetensorsFile(path).keys():
             out[k] = path
     return out
+
+
+class CheckpointReader:
+    """All tensors of an HF checkpoint directory (sharded or not), opened lazily by name."""
+
+    def __init__(self, directory: str):
+        self.files = list_checkpoint_files(directory)
+        self._opened: dict[str, SafetensorsFile] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def __iter__(self):
+        return iter(self.files)
+
+    def get(self, name: str) -> np.ndarray:
+        path = self.files[name]
+        if path not in self._opened:
+            self._opened[path] = SafetensorsFile(path)
+        return self._opened[path].get(name)

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from moejax.weights.fp8 import dequantize_block_fp8
 from moejax.weights.hf_names import flatten, unflatten
-from moejax.weights.safetensors_io import SafetensorsFile, list_checkpoint_files
+from moejax.weights.safetensors_io import CheckpointReader
 from moejax.weights.step3_names import hf_to_param, is_vision_tensor, param_to_hf
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -33,14 +33,8 @@ def load_step3_params(directory: str, cfg, dtype: str = "bfloat16", progress: bo
     """Returns the parameter pytree as NumPy arrays (host memory)."""
     from moejax.weights.loader import abstract_params
     expected = flatten(abstract_params(cfg, dtype))
-    files = list_checkpoint_files(directory)
-    opened: dict[str, SafetensorsFile] = {}
-
-    def tensor(name):
-        path = files[name]
-        if path not in opened:
-            opened[path] = SafetensorsFile(path)
-        return opened[path].get(name)
+    files = CheckpointReader(directory)
+    tensor = files.get
 
     out: dict[tuple[str, ...], np.ndarray] = {}
     source: dict[tuple[str, ...], str] = {}
