@@ -26,22 +26,25 @@ from moejax.tiny.random_model import random_model
 
 
 def step_floor(cfg, batch, ctx, itemsize=2, kv_itemsize=2):
-    """Bytes and FLOPs of one decode step (all experts assumed touched: true at these batch sizes)."""
-    H, L = cfg.hidden_size, cfg.num_hidden_layers
-    nh, C, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
-    q = H * nh * cfg.qk_head_dim if cfg.q_lora_rank is None else H * cfg.q_lora_rank + cfg.q_lora_rank * nh * cfg.qk_head_dim
-    attn_w = q + H * (C + R) + C * nh * (dn + dv) + nh * dv * H
-    dense_w = 3 * H * cfg.intermediate_size
-    expert_w = 3 * H * cfg.moe_intermediate_size
-    shared_w = expert_w * cfg.n_shared_experts
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
-    weights = L * attn_w + (L - n_moe) * dense_w + n_moe * (cfg.n_routed_experts * expert_w + shared_w) + 2 * cfg.vocab_size * H
+    """Bytes and FLOPs of one decode step, from the model's own parameter shapes (any family).
+
+    Bytes: every weight (at these batch sizes every expert is touched) plus the batch's KV
+    cache. FLOPs: 2 per active weight per token (routed experts scaled by top-k / E; the
+    embedding is a lookup) plus attention, 2 x 2 x heads x cache row per cached token."""
+    from moejax.weights.hf_names import flatten, is_stacked_expert
+    from moejax.weights.loader import abstract_params
+    weights = active = 0
+    for path, leaf in flatten(abstract_params(cfg, "bfloat16")).items():
+        n = int(np.prod(leaf.shape))
+        weights += n
+        if is_stacked_expert(path):
+            active += n * cfg.num_experts_per_tok // cfg.n_routed_experts
+        elif path[0] != "embed_tokens":
+            active += n
+    L = cfg.num_hidden_layers
     kv = L * batch * ctx * cfg.kv_cache_dim
-    bytes_ = itemsize * weights + kv_itemsize * kv
-    active = L * attn_w + (L - n_moe) * dense_w + n_moe * (cfg.num_experts_per_tok * expert_w + shared_w) + cfg.vocab_size * H
-    flops = 2 * batch * active + 2 * L * batch * ctx * nh * (2 * C + R)  # + absorbed attention
-    return bytes_, flops
+    flops = 2 * batch * active + 4 * L * batch * ctx * cfg.num_attention_heads * cfg.kv_cache_dim
+    return itemsize * weights + kv_itemsize * kv, flops
 
 
 def run_one(hf, parallel, a):
