@@ -394,3 +394,33 @@ def test_make_tiny_checkpoint_script(tmp_path):
     from moejax.tiny.transformers_checkpoint import make_hf_checkpoint
     with pytest.raises(ValueError, match="step3"):
         make_hf_checkpoint(str(tmp_path / "c"), preset("step3-tiny"))
+
+
+def test_step3_served_over_openai_api(tmp_path):
+    """scripts/serve.py's server serves a Step3 checkpoint as it does DeepSeek: greedy chat and
+    completions equal moejax.generate."""
+    import openai
+    from moejax.server.app import ServerThread
+    from moejax.tiny.checkpoint import make_random_checkpoint
+    from moejax.tiny.presets import preset
+    path = make_random_checkpoint(str(tmp_path / "s3"), preset("step3-tiny"), seed=5, std=0.1)
+    load = lambda: moejax.load(path, dtype="float32", max_model_len=128, max_num_seqs=8, progress=False)  # noqa: E731
+    srv = ServerThread(load(), model_name="step3-tiny").start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+        ids = np.random.default_rng().integers(2, 300, size=9).tolist()
+        want = moejax.generate(load(), [ids], max_new_tokens=12, ignore_eos=True)[0]
+        r = client.completions.create(model="step3-tiny", prompt=ids, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want.text and r.usage.completion_tokens == 12
+        messages = [{"role": "user", "content": "hi"}]
+        chunks = list(client.chat.completions.create(model="step3-tiny", messages=messages, max_tokens=5,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                                     stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        m = load()
+        chat_ids = m.tokenizer.encode(m.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        assert text == moejax.generate(m, [chat_ids], max_new_tokens=5, ignore_eos=True)[0].text
+        assert chunks[-1].usage.completion_tokens == 5
+    finally:
+        srv.stop()
