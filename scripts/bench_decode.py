@@ -21,7 +21,7 @@ import numpy as np
 
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate
 from moejax.engine.sampling_params import SamplingParams
-from moejax.tiny.presets import preset
+from moejax.tiny.presets import preset, with_layers
 from moejax.tiny.random_model import random_model
 
 
@@ -45,6 +45,85 @@ def step_floor(cfg, batch, ctx, itemsize=2, kv_itemsize=2):
     kv = L * batch * ctx * cfg.kv_cache_dim
     flops = 2 * batch * active + 4 * L * batch * ctx * cfg.num_attention_heads * cfg.kv_cache_dim
     return itemsize * weights + kv_itemsize * kv, flops
+
+
+def time_components(cfg, a, ctx):
+    """Per-step time of attention and routed experts, each timed alone at the step's shapes
+    (one layer's op x the number of such layers); "rest" is the step minus both."""
+    import jax
+    from moejax.kernels.selection import kernel_mode
+    key = jax.random.key(1)
+    B, L = a.concurrency, cfg.num_hidden_layers
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
+    bs = 16
+    nb = -(-ctx // bs)
+    out = {}
+    with kernel_mode(a.kernels):
+        if hasattr(cfg, "kv_lora_rank"):
+            from moejax.layers.mla_decode import mla_decode_attention
+            C, R, nh = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
+            cache = (0.1 * jax.random.normal(key, (B * nb * bs, C + R))).astype(jnp.bfloat16)
+            q = (0.1 * jax.random.normal(key, (B, nh, C + R))).astype(jnp.bfloat16)
+            tables = jnp.arange(B * nb, dtype=jnp.int32).reshape(B, nb)
+            fn = jax.jit(lambda q, c, t, l: mla_decode_attention(q[..., :C], q[..., C:], c, t, l, bs, 0.1))
+        else:
+            from moejax.layers.mfa import mfa_decode_attention
+            D = cfg.head_dim
+            cache = (0.1 * jax.random.normal(key, (B * nb * bs, 2 * D))).astype(jnp.bfloat16)
+            q = (0.1 * jax.random.normal(key, (B, cfg.num_attention_heads, D))).astype(jnp.bfloat16)
+            tables = jnp.arange(B * nb, dtype=jnp.int32).reshape(B, nb)
+            fn = jax.jit(lambda q, c, t, l: mfa_decode_attention(q, c, t, l, bs, D ** -0.5, 1))
+        lens = jnp.full((B,), ctx, jnp.int32)
+        out["attention"] = L * _median_time(fn, q, cache, tables, lens)
+        if n_moe:
+            from moejax.layers.experts import grouped_expert_mlp
+            E, H, I, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+            w = lambda s: (0.02 * jax.random.normal(key, s)).astype(jnp.bfloat16)  # noqa: E731
+            x = w((B * k, H))
+            sizes = jnp.full((E,), B * k // E, jnp.int32).at[0].add(B * k - E * (B * k // E))  # uniform routing
+            fn = jax.jit(grouped_expert_mlp)
+            out["moe"] = n_moe * _median_time(fn, x, sizes, w((E, H, I)), w((E, H, I)), w((E, I, H)))
+    return out
+
+
+def _median_time(fn, *args, iters=10):
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def run_peer(hf, a):
+    """HF transformers (PyTorch, bf16, its own generate with a static cache) at the same batch and
+    lengths: decode tokens/s with its prefill subtracted. DeepSeek families only (no Step3 in HF)."""
+    import torch
+    from moejax.tiny.transformers_checkpoint import _classes
+    cfg_cls, model_cls = _classes(hf["model_type"])
+    kw = {k: v for k, v in hf.items() if k not in ("architectures", "model_type")}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(dev):
+        model = model_cls(cfg_cls(**kw)).to(torch.bfloat16).eval()
+    ids = torch.randint(2, hf["vocab_size"], (a.concurrency, a.input_len), device=dev)
+
+    def gen(n):
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                           pad_token_id=0)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    gen(2)  # warm-up
+    prefill = gen(1)
+    total = gen(1 + a.output_len)
+    del model
+    return a.concurrency * a.output_len / max(total - prefill, 1e-9)
 
 
 def run_one(hf, parallel, a):
@@ -75,7 +154,7 @@ def run_one(hf, parallel, a):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="deepseek-v2-lite")
-    ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count (first layer dense)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=1000)
@@ -86,11 +165,13 @@ def main(argv=None):
     ap.add_argument("--parallel", default="none", help="comma list: none (plain path) and/or configs, e.g. none,dp1-ep1")
     ap.add_argument("--kernels", choices=["auto", "pallas", "xla"], default="xla")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument("--components", action="store_true", help="also time attention and MoE alone at the step's shapes")
+    ap.add_argument("--peer", action="store_true", help="also run HF transformers (PyTorch) at the same batch and lengths")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     hf = preset(a.preset)
     if a.layers:
-        hf["num_hidden_layers"] = a.layers
+        hf = with_layers(hf, a.layers)
     for kv in a.set:
         k, v = kv.split("=", 1)
         hf[k] = json.loads(v)
@@ -117,6 +198,18 @@ def main(argv=None):
         print(f"{p:>12}: median step {med * 1e3:.3f} ms, p90 {r['p90_step_s'] * 1e3:.3f} ms, {r['tok_per_s']:.0f} tok/s, "
               f"{r['floor_fraction'] * 100:.1f}% of floor, x{r['vs_first']:.3f} vs {a.parallel.split(',')[0]}")
         sys.stdout.flush()
+    if a.components:
+        comp = time_components(cfg, a, ctx)
+        step = results["runs"][a.parallel.split(",")[0]]["median_step_s"]
+        comp["rest"] = max(step - sum(comp.values()), 0.0)
+        results["components_s"] = comp
+        print("components (each timed alone): " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in comp.items()))
+    if a.peer:
+        if cfg.model_type.startswith("step3"):
+            print("peer: transformers has no Step3 model; skipped")
+        else:
+            results["peer_tok_per_s"] = run_peer(hf, a)
+            print(f"peer (transformers, bf16, static cache): {results['peer_tok_per_s']:.0f} decode tok/s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2)

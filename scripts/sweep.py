@@ -9,6 +9,13 @@ output throughput against median inter-token latency.
 
 Without --base-url it starts the server (scripts/serve.py) on a free loopback port with --model
 (default: the embedded tiny random model) and stops it at the end.
+
+--offline sweeps scripts/bench_decode.py instead (one device, no server, prefill excluded):
+for each preset and concurrency, moejax with --kernels auto, the XLA baseline and optionally
+the transformers peer; writes decode_sweep.csv and a PNG of throughput against step time.
+
+  python scripts/sweep.py --offline --presets deepseek-v2-lite --concurrency 64,256,512,1024 \
+      --random-input-len 2000 --random-output-len 100 --peer
 """
 
 from __future__ import annotations
@@ -94,6 +101,62 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+OFFLINE_FIELDS = ["preset", "layers", "concurrency", "input_len", "tok_per_s", "median_step_ms", "floor_ms",
+                  "floor_fraction", "xla_tok_per_s", "peer_tok_per_s", "device"]
+
+
+def offline_sweep(a) -> list[dict]:
+    import bench_decode
+    rows = []
+    for name in a.presets.split(","):
+        for c in a.levels:
+            common = ["--preset", name, "--concurrency", str(c), "--input-len", str(a.random_input_len),
+                      "--output-len", str(a.random_output_len), "--steps", str(a.steps)]
+            if a.layers:
+                common += ["--layers", str(a.layers)]
+            out = os.path.join(a.out_dir, f"decode_{name}_c{c}.json")
+            bench_decode.main(common + ["--kernels", "auto", "--json", out] + (["--peer"] if a.peer else []))
+            import json
+            r = json.load(open(out))
+            xla_out = os.path.join(a.out_dir, f"decode_{name}_c{c}_xla.json")
+            bench_decode.main(common + ["--kernels", "xla", "--json", xla_out])
+            x = json.load(open(xla_out))
+            run = r["runs"]["none"]
+            rows.append({"preset": name, "layers": r["layers"], "concurrency": c, "input_len": a.random_input_len,
+                         "tok_per_s": run["tok_per_s"], "median_step_ms": run["median_step_s"] * 1e3,
+                         "floor_ms": r["floor_s"] * 1e3, "floor_fraction": run["floor_fraction"],
+                         "xla_tok_per_s": x["runs"]["none"]["tok_per_s"], "peer_tok_per_s": r.get("peer_tok_per_s"),
+                         "device": r["device"]})
+    path = os.path.join(a.out_dir, "decode_sweep.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=OFFLINE_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for name in a.presets.split(","):
+        rs = [r for r in rows if r["preset"] == name]
+        ax.plot([r["median_step_ms"] for r in rs], [r["tok_per_s"] for r in rs], "o-", label=f"{name} (moejax)")
+        ax.plot([r["concurrency"] / r["xla_tok_per_s"] * 1e3 for r in rs],
+                [r["xla_tok_per_s"] for r in rs], "x--", label=f"{name} (XLA baseline)")
+        for r in rs:
+            ax.annotate(f"c={r['concurrency']}", (r["median_step_ms"], r["tok_per_s"]), textcoords="offset points",
+                        xytext=(5, 5))
+    ax.set_xlabel("decode step time (ms)")
+    ax.set_ylabel("decode throughput (tokens/s)")
+    ax.set_title(f"offline decode, input {a.random_input_len}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png = os.path.join(a.out_dir, "decode_sweep.png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    print(f"\nwrote {path} and {png}")
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1024,2048,3072,4096", help="comma-separated max-concurrency levels")
@@ -115,9 +178,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--disable-tqdm", action="store_true")
     ap.add_argument("--warmup", action="store_true",
                     help="before each level, an unmeasured run of `level` short requests (compiles its shapes)")
+    ap.add_argument("--offline", action="store_true", help="sweep scripts/bench_decode.py instead of a server")
+    ap.add_argument("--presets", default="deepseek-v2-lite", help="--offline: comma-separated bench_decode presets")
+    ap.add_argument("--layers", type=int, default=None, help="--offline: override the presets' layer count")
+    ap.add_argument("--steps", type=int, default=20, help="--offline: timed decode steps per point")
+    ap.add_argument("--peer", action="store_true", help="--offline: also run HF transformers")
     a = ap.parse_args(argv)
     a.levels = [int(c) for c in a.concurrency.split(",") if c.strip()]
     os.makedirs(a.out_dir, exist_ok=True)
+    if a.offline:
+        return offline_sweep(a)
 
     import bench_serve
 

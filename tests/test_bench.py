@@ -60,3 +60,23 @@ def test_sweep_end_to_end_on_tiny_model(tmp_path):
     # one chunk per token, unless the client fell behind and queued tokens shared a chunk
     assert res["max_concurrency"] == 4 and len(res["itls"]) == 8 and all(1 <= len(x) <= 5 for x in res["itls"])
     assert res["output_lens"] == [6] * 8 and res["input_lens"] == [16] * 8
+
+
+def test_offline_decode_sweep_and_components(tmp_path):
+    """sweep.py --offline runs bench_decode (moejax auto and XLA baseline, transformers peer) for
+    each preset and concurrency and writes the CSV and plot; the step is split into components."""
+    rows = sweep.main(["--offline", "--presets", "v3-tiny,step3-tiny", "--concurrency", "2",
+                       "--random-input-len", "12", "--random-output-len", "6", "--steps", "2",
+                       "--peer", "--out-dir", str(tmp_path)])
+    assert [(r["preset"], r["concurrency"]) for r in rows] == [("v3-tiny", 2), ("step3-tiny", 2)]
+    with open(tmp_path / "decode_sweep.csv") as f:
+        got = list(csv.DictReader(f))
+    assert len(got) == 2 and all(float(r["tok_per_s"]) > 0 and float(r["xla_tok_per_s"]) > 0 for r in got)
+    assert all(float(r["peer_tok_per_s"]) > 0 for r in got if r["preset"] == "v3-tiny")
+    assert (tmp_path / "decode_sweep.png").stat().st_size > 1000
+    import bench_decode
+    out = tmp_path / "components.json"
+    bench_decode.main(["--preset", "v3-tiny", "--concurrency", "2", "--input-len", "12", "--output-len", "6",
+                       "--steps", "2", "--components", "--json", str(out)])
+    comp = json.load(open(out))["components_s"]
+    assert set(comp) == {"attention", "moe", "rest"} and comp["attention"] > 0 and comp["moe"] > 0

@@ -19,13 +19,19 @@ def _best(fn, *args, iters=5):
     return min(ts)
 
 
-def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"  # small probes there: a CPU has no floor worth minutes
+
+
+def measure_copy_bandwidth(nbytes: int | None = None) -> float:
     """Bytes/s of an elementwise bf16 pass (read + write) over a buffer larger than any cache."""
+    nbytes = nbytes or ((64 << 20) if _on_cpu() else (4 << 30))
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     return 2 * nbytes / _best(jax.jit(lambda a: a * 1.0001), x)
 
 
-def measure_matmul_rate(n: int = 8192) -> float:
+def measure_matmul_rate(n: int | None = None) -> float:
     """bf16 FLOP/s of an n x n x n matmul with f32 accumulation."""
+    n = n or (512 if _on_cpu() else 8192)
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     return 2 * n ** 3 / _best(jax.jit(lambda p: jnp.dot(p, p, preferred_element_type=jnp.float32).astype(jnp.bfloat16)), a)

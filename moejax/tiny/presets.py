@@ -63,8 +63,29 @@ _STEP3 = {**_STEP3_TINY, "vocab_size": 128815, "hidden_size": 7168, "intermediat
           "moe_intermediate_size": 5120, "share_expert_dim": 5120, "max_seq_len": 65536,
           "max_position_embedding": 65536}
 
+# One EP8 rank's share, for single-GPU decode benchmarks: the experts one rank holds and the same
+# per-rank expert load (a rank's B tokens x top-k over E/8 experts = the node's 8B tokens x top-k
+# over E, restricted to that rank), with as many layers as fit in one H200 beside the KV cache.
+_V3_EP8_RANK = {**_V3, "n_routed_experts": 32, "n_group": 8, "topk_group": 4, "num_hidden_layers": 20,
+                "num_nextn_predict_layers": 0}
+_STEP3_EP8_RANK = {**_STEP3, "moe_num_experts": 6, "num_hidden_layers": 16,
+                   "moe_layers_enum": ",".join(str(i) for i in range(4, 15))}
+
 PRESETS = {"v3-tiny": _V3_TINY, "v2-lite-tiny": _V2_LITE_TINY, "deepseek-v2-lite": _V2_LITE, "deepseek-v3": _V3,
-           "step3-tiny": _STEP3_TINY, "step3": _STEP3}
+           "step3-tiny": _STEP3_TINY, "step3": _STEP3, "deepseek-v3-ep8-rank": _V3_EP8_RANK,
+           "step3-ep8-rank": _STEP3_EP8_RANK}
+
+
+def with_layers(cfg: dict, n: int) -> dict:
+    """The same model with n layers, the first dense and the rest MoE."""
+    if n < 1:
+        raise ValueError(f"layers must be >= 1, got {n}")
+    cfg = dict(cfg, num_hidden_layers=n)
+    if cfg["model_type"].startswith("step3"):
+        cfg["moe_layers_enum"] = ",".join(str(i) for i in range(1, n))
+    else:
+        cfg["first_k_dense_replace"] = min(1, n)
+    return cfg
 
 
 def preset(name: str, **overrides) -> dict:
