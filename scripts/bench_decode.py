@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate
+from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call
 from moejax.engine.sampling_params import SamplingParams
 from moejax.tiny.presets import preset, with_layers
 from moejax.tiny.random_model import random_model
@@ -74,7 +74,7 @@ def time_components(cfg, a, ctx):
             tables = jnp.arange(B * nb, dtype=jnp.int32).reshape(B, nb)
             fn = jax.jit(lambda q, c, t, l: mfa_decode_attention(q, c, t, l, bs, D ** -0.5, 1))
         lens = jnp.full((B,), ctx, jnp.int32)
-        out["attention"] = L * _median_time(fn, q, cache, tables, lens)
+        out["attention"] = L * time_call(fn, q, cache, tables, lens)
         if n_moe:
             from moejax.layers.experts import grouped_expert_mlp
             E, H, I, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
@@ -82,18 +82,8 @@ def time_components(cfg, a, ctx):
             x = w((B * k, H))
             sizes = jnp.full((E,), B * k // E, jnp.int32).at[0].add(B * k - E * (B * k // E))  # uniform routing
             fn = jax.jit(grouped_expert_mlp)
-            out["moe"] = n_moe * _median_time(fn, x, sizes, w((E, H, I)), w((E, H, I)), w((E, I, H)))
+            out["moe"] = n_moe * time_call(fn, x, sizes, w((E, H, I)), w((E, H, I)), w((E, I, H)))
     return out
-
-
-def _median_time(fn, *args, iters=10):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def run_peer(hf, a):

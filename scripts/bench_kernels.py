@@ -36,14 +36,8 @@ BF16 = jnp.bfloat16
 
 def bench(fn, *args, iters=20, warmup=3):
     """Median seconds per call of a jitted fn (compile excluded)."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    from moejax.benchmark.roofline import time_call
+    return time_call(fn, *args, iters=iters, warmup=warmup)
 
 
 def measure_card(smoke: bool):

@@ -3,20 +3,27 @@ FLOPs over the measured bf16 matmul rate, measured on the device in the same run
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 
 
-def _best(fn, *args, iters=5):
-    jax.block_until_ready(fn(*args))
+def time_call(fn, *args, iters: int = 10, warmup: int = 1, reduce=statistics.median) -> float:
+    """Seconds per call of a jitted fn (compilation excluded): the median by default."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(iters):
         t = time.perf_counter()
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t)
-    return min(ts)
+    return reduce(ts)
+
+
+def _best(fn, *args):
+    return time_call(fn, *args, iters=5, reduce=min)
 
 
 def _on_cpu() -> bool:
