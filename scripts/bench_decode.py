@@ -128,10 +128,9 @@ def run_one(hf, parallel, a):
     while eng.scheduler.waiting:  # prefill everything (not timed)
         eng.step()
     times = []
-    for _ in range(a.warmup + a.steps):
-        live = [s for s in seqs if not s.is_finished]
-        if len(live) < a.concurrency:
-            break
+    while len(times) < a.warmup + a.steps:
+        if any(s.is_finished for s in seqs):
+            break  # the batch must stay full: raise --output-len for more steps
         compiled = eng.runner.trace_counts["decode"]
         t = time.perf_counter()
         kind, stepped = eng.step()
@@ -139,6 +138,9 @@ def run_one(hf, parallel, a):
         if eng.runner.trace_counts["decode"] == compiled:  # a step that compiled (new bucket) is not timed
             times.append(time.perf_counter() - t)
     times = times[a.warmup:]
+    if not times:
+        raise SystemExit(f"no decode step was timed: --output-len {a.output_len} leaves no steps after "
+                         f"{a.warmup} warm-up steps")
     del m, eng
     return times
 
