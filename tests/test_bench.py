@@ -66,7 +66,7 @@ def test_offline_decode_sweep_and_components(tmp_path):
     """sweep.py --offline runs bench_decode (moejax auto and XLA baseline, transformers peer) for
     each preset and concurrency and writes the CSV and plot; the step is split into components."""
     rows = sweep.main(["--offline", "--presets", "v3-tiny,step3-tiny", "--concurrency", "2",
-                       "--random-input-len", "12", "--random-output-len", "6", "--steps", "2",
+                       "--random-input-len", "12", "--random-output-len", "10", "--steps", "2",
                        "--peer", "--out-dir", str(tmp_path)])
     assert [(r["preset"], r["concurrency"]) for r in rows] == [("v3-tiny", 2), ("step3-tiny", 2)]
     with open(tmp_path / "decode_sweep.csv") as f:
@@ -76,7 +76,7 @@ def test_offline_decode_sweep_and_components(tmp_path):
     assert (tmp_path / "decode_sweep.png").stat().st_size > 1000
     import bench_decode
     out = tmp_path / "components.json"
-    bench_decode.main(["--preset", "v3-tiny", "--concurrency", "2", "--input-len", "12", "--output-len", "6",
+    bench_decode.main(["--preset", "v3-tiny", "--concurrency", "2", "--input-len", "12", "--output-len", "10",
                        "--steps", "2", "--components", "--json", str(out)])
     comp = json.load(open(out))["components_s"]
     assert set(comp) == {"attention", "moe", "rest"} and comp["attention"] > 0 and comp["moe"] > 0
