@@ -27,7 +27,6 @@ class Model:
                  num_kv_blocks: int | None, max_prefill_tokens: int, parallel=None, kv_cache_dtype: str = "auto",
                  kernels: str = "auto"):
         from moejax.layers.moe import ExpertParallel
-        from moejax.models.deepseek import DeepseekForCausalLM
         from moejax.parallel.sharding import AXIS, make_mesh, shard_params
         from moejax.eplb.balancer import initial_placements, physical_params, routing_tree
         self.config, self.hf_config = config, hf_config

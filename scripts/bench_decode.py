@@ -112,7 +112,6 @@ def run_peer(hf, a):
     gen(2)  # warm-up
     prefill = gen(1)
     total = gen(1 + a.output_len)
-    del model
     return a.concurrency * a.output_len / max(total - prefill, 1e-9)
 
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 

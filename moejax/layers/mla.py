@@ -76,7 +76,6 @@ class MLA(nn.Module):
         latent, k_rope = lat[..., :c.kv_lora_rank], lat[..., c.kv_lora_rank:]
         kv = self.kv_b_proj(latent).reshape(B, S, nh, dn + dv)
         k_nope, v = kv[..., :dn], kv[..., dn:]
-        f32 = jnp.float32
         s = einsum_f32("bqhd,bkhd->bhqk", q_nope, k_nope)
         s = s + einsum_f32("bqhr,bkr->bhqk", q_rope, k_rope)
         s = s * c.softmax_scale

@@ -37,7 +37,6 @@ def mla_decode_attention(q_latent, q_rope, cache_layer, block_tables, seq_lens, 
     if is_fp8_cache(kv):
         kv = dequantize_rows(kv, C + q_rope.shape[-1]).astype(q_latent.dtype)
     latent, k_rope = kv[..., :C], kv[..., C:]
-    f32 = jnp.float32
     s = einsum_f32("bhc,btc->bht", q_latent.astype(kv.dtype), latent)
     s = s + einsum_f32("bhr,btr->bht", q_rope.astype(kv.dtype), k_rope)
     s = s * scale

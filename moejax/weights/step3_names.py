@@ -22,7 +22,7 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from moejax.weights.hf_names import flatten
+from moejax.weights.hf_names import flatten, is_stacked_expert
 
 _TOP = {
     "model.embed_tokens.weight": ("embed_tokens", "weight"),
@@ -88,10 +88,6 @@ def param_to_hf(path: tuple[str, ...]) -> str:
     if path[1:3] == ("mlp", "gate"):
         return f"model.layers.{layer}.moe.gate.weight"
     return f"model.layers.{layer}." + ".".join(path[1:])
-
-
-def is_stacked_expert(path: tuple[str, ...]) -> bool:
-    return len(path) == 4 and path[1:3] == ("mlp", "experts")
 
 
 def hf_tensors_from_params(params) -> Iterator[tuple[str, np.ndarray]]:
