@@ -19,6 +19,11 @@ from moejax.weights.safetensors_io import save_safetensors
 FP8_BLOCK = (128, 128)
 
 
+def fp8_quantization_config() -> dict:
+    """The config.json entry of a DeepSeek-V3-style FP8 block-scaled checkpoint."""
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)}
+
+
 def random_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
     """A random parameter pytree (float32 NumPy) shaped like the model."""
     from moejax.weights.loader import abstract_params
@@ -94,8 +99,7 @@ def make_random_checkpoint(directory: str, hf_config: dict, seed: int = 0, dtype
     tensors = {k: v.astype(np_dtype) for k, v in hf_tensors_from_params(params)}
     if fp8:
         tensors = quantize_tensors(tensors)
-        hf_config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
-                                            "quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)}
+        hf_config["quantization_config"] = fp8_quantization_config()
     hf_config["torch_dtype"] = dtype
     write_checkpoint(directory, hf_config, tensors, max_shard_bytes)
     return directory

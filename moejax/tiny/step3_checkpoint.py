@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from moejax.tiny.checkpoint import FP8_BLOCK, random_params, write_checkpoint
+from moejax.tiny.checkpoint import FP8_BLOCK, fp8_quantization_config, random_params, write_checkpoint
 from moejax.weights.fp8 import quantize_block_fp8
 from moejax.weights.step3_names import hf_tensors_from_params, is_fp8_quantized
 
@@ -54,8 +54,7 @@ def make_random_step3_checkpoint(directory: str, hf_config: dict, seed: int = 0,
     tensors = {k: v.astype(np_dtype) for k, v in hf_tensors_from_params(params)}
     if fp8:
         tensors = quantize_step3_tensors(tensors)
-        hf_config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
-                                            "quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)}
+        hf_config["quantization_config"] = fp8_quantization_config()
     if cfg.model_type == "step3_vl":
         tensors = {VL_PREFIX + k: v for k, v in tensors.items()}
         tensors.update({k: v.astype(np_dtype) for k, v in vision_tensors(np.random.default_rng(seed)).items()})

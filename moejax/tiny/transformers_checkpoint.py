@@ -9,7 +9,7 @@ import tempfile
 
 import numpy as np
 
-from moejax.tiny.checkpoint import FP8_BLOCK, quantize_tensors, write_checkpoint
+from moejax.tiny.checkpoint import FP8_BLOCK, fp8_quantization_config, quantize_tensors, write_checkpoint
 from moejax.tiny.tokenizer import write_tokenizer
 from moejax.weights.fp8 import dequantize_block_fp8
 from moejax.weights.safetensors_io import SafetensorsFile, list_checkpoint_files
@@ -56,8 +56,7 @@ def make_hf_checkpoint(directory: str, hf_config: dict, seed: int = 0, fp8: bool
         if os.path.exists(f):
             os.remove(f)
     tensors = quantize_tensors(state)
-    out_cfg = dict(hf_config, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
-                                                   "quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)})
+    out_cfg = dict(hf_config, quantization_config=fp8_quantization_config())
     write_checkpoint(directory, out_cfg, tensors)
     deq = {k: (dequantize_block_fp8(tensors[k], tensors[k + "_scale_inv"], FP8_BLOCK) if k + "_scale_inv" in tensors
                else v) for k, v in state.items()}
