@@ -87,17 +87,81 @@ def _mla_split_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref
     lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
 
 
+def _mla_pages_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, *, layer, C, R, block_size,
+                      nb, pages_per_tile, split_pages, scale, fp8):
+    """Like ``_mla_split_kernel`` but a tile is ``pages_per_tile`` whole cache pages, each read as one
+    contiguous [block_size, D] slab (a scalar page id, then a plain strided load: no per-token gather)."""
+    b = pl.program_id(2)
+    s = pl.program_id(1)
+    f32 = jnp.float32
+    seq_len = len_ref[b]
+    page0 = s * split_pages
+    n_pages = jnp.clip((seq_len + block_size - 1) // block_size - page0, 0, split_pages)
+    n_tiles = (n_pages + pages_per_tile - 1) // pages_per_tile
+    ql = ql_ref[...]  # [BH, C]
+    qr = qr_ref[...]  # [BH, R]
+    cdt = ql.dtype
+    BH = ql.shape[0]
+    offs = jnp.arange(block_size, dtype=jnp.int32)
+
+    def body(i, carry):
+        m, l, acc = carry
+        parts = []
+        for j in range(pages_per_tile):  # unrolled: independent loads in flight together
+            p_idx = page0 + i * pages_per_tile + j
+            valid = p_idx * block_size + offs < seq_len  # [bs]; split_pages % pages_per_tile == 0
+            page = jnp.where(p_idx * block_size < seq_len, bt_ref[b, jnp.minimum(p_idx, nb - 1)], 0)
+            rows = pl.ds(page * block_size, block_size)
+            lat = cache_ref[layer, rows, pl.ds(0, C)]  # [bs, C]
+            rop = cache_ref[layer, rows, pl.ds(C, R)]  # [bs, R]
+            lat = jnp.where(valid[:, None], lat.astype(cdt), jnp.zeros((), cdt))
+            rop = jnp.where(valid[:, None], rop.astype(cdt), jnp.zeros((), cdt))
+            sc = jax.lax.dot_general(ql, lat, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+            sc = sc + jax.lax.dot_general(qr, rop, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+            if fp8:
+                byte = jax.lax.bitcast_convert_type(cache_ref[layer, rows, C + R], jnp.uint8)
+                row_scale = jnp.exp2(byte.astype(f32) - 127.0)  # [bs]
+                sc = sc * (row_scale * scale)[None, :]
+            else:
+                row_scale = None
+                sc = sc * scale
+            parts.append((jnp.where(valid[None, :], sc, -jnp.inf), lat, row_scale))
+        m_new = m
+        for sc, _, _ in parts:
+            m_new = jnp.maximum(m_new, jnp.max(sc, axis=1))
+        alpha = jnp.exp(m - m_new)
+        l_new = l * alpha
+        acc = acc * alpha[:, None]
+        for sc, lat, row_scale in parts:
+            p = jnp.exp(sc - m_new[:, None])
+            l_new = l_new + jnp.sum(p, axis=1)
+            pv = p * row_scale[None, :] if fp8 else p
+            acc = acc + jnp.dot(pv.astype(cdt), lat, preferred_element_type=f32)
+        return m_new, l_new, acc
+
+    init = (jnp.full((BH,), -1e30, f32), jnp.zeros((BH,), f32), jnp.zeros((BH, C), f32))
+    m, l, acc = jax.lax.fori_loop(0, n_tiles, body, init)
+    has = l > 0
+    o_ref[...] = acc / jnp.where(has, l, 1.0)[:, None]
+    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "layer", "kv_dim", "block_h", "block_t",
-                                             "num_splits", "num_warps", "num_stages", "interpret"))
+                                             "num_splits", "num_warps", "num_stages", "tile", "interpret"))
 def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_size: int, scale: float,
                       layer: int | None = None, kv_dim: int | None = None, block_h: int = 16, block_t: int = 32,
-                      num_splits: int = 1, num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None):
+                      num_splits: int = 1, num_warps: int = 4, num_stages: int = 2, tile: str = "gather",
+                      interpret: bool | None = None):
     """q_latent [B, H, C], q_rope [B, H, R], cache [num_slots, D] or [L, num_slots, D] (then ``layer``
     picks one), block_tables [B, nb], seq_lens [B] (>= 1) -> context latents [B, H, C] float32.
 
     An FP8 cache (float8_e4m3fn) holds rows in the kv_quant layout. q_latent's dtype is the
     compute dtype of the dots (bf16 on GPU); accumulation and softmax are float32.
+    ``tile="gather"`` reads ``block_t`` token rows per step through per-token slots;
+    ``tile="pages"`` reads ``block_t // block_size`` whole pages per step, each as one slab.
     """
+    if tile not in ("gather", "pages"):
+        raise ValueError(f"tile must be 'gather' or 'pages', got {tile!r}")
     if interpret is None:
         interpret = interpret_mode()
     if cache.ndim == 2:
@@ -112,11 +176,18 @@ def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
         q_latent = jnp.pad(q_latent, ((0, 0), (0, Hp - H), (0, 0)))
         q_rope = jnp.pad(q_rope, ((0, 0), (0, Hp - H), (0, 0)))
     max_len = nb * block_size
-    split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_t) * block_t
-    num_splits = pl.cdiv(max_len, split_len)
+    if tile == "pages":
+        ppt = max(1, block_t // block_size)
+        split_pages = pl.cdiv(pl.cdiv(nb, num_splits), ppt) * ppt  # tiles never cross a split
+        num_splits = pl.cdiv(nb, split_pages)
+        kernel = functools.partial(_mla_pages_kernel, layer=layer, C=C, R=R, block_size=block_size, nb=nb,
+                                   pages_per_tile=ppt, split_pages=split_pages, scale=float(scale), fp8=fp8)
+    else:
+        split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_t) * block_t
+        num_splits = pl.cdiv(max_len, split_len)
+        kernel = functools.partial(_mla_split_kernel, layer=layer, C=C, R=R, block_size=block_size, nb=nb,
+                                   block_t=block_t, split_len=split_len, scale=float(scale), fp8=fp8)
     grid = (Hp // block_h, num_splits, B)
-    kernel = functools.partial(_mla_split_kernel, layer=layer, C=C, R=R, block_size=block_size, nb=nb,
-                               block_t=block_t, split_len=split_len, scale=float(scale), fp8=fp8)
     whole = pl.no_block_spec  # whole arrays, indexed by hand in the kernel
     o, lse = pl.pallas_call(
         kernel,

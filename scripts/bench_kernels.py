@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
+import json
 import sys
 
 import jax
@@ -48,7 +50,43 @@ def floor(nbytes, flops, bw, rate):
     return max(nbytes / bw, flops / rate)
 
 
-def run_moe(tokens, bw, rate, sweep, smoke, interpret):
+def expand(grid):
+    """{"a": [1, 2], "b": [3]} or a list of such dicts -> every combination, as dicts."""
+    out = []
+    for g in grid if isinstance(grid, list) else [grid]:
+        keys = list(g)
+        for vals in itertools.product(*(g[k] if isinstance(g[k], list) else [g[k]] for k in keys)):
+            out.append(dict(zip(keys, vals)))
+    return out
+
+
+def moe_grid(t):
+    """Alternatives timed by --sweep for t tokens per expert: decode sizes stream weights (bigger
+    tiles, deeper pipelines keep more bytes in flight); prefill sizes want big row tiles."""
+    if t <= 16:
+        return {"block_m": [16], "block_n": [64, 128], "block_k": [128, 256], "block_n_down": [64, 128],
+                "num_warps": [4], "num_stages": [3, 4]}
+    if t <= 64:
+        return {"block_m": [16, 32], "block_n": [64, 128], "block_k": [128], "block_n_down": [64, 128],
+                "num_warps": [4], "num_stages": [3, 4]}
+    return [{"block_m": [64, 128], "block_n": [128, 256], "block_k": [64], "block_n_down": [128, 256],
+             "block_k_down": [64], "num_warps": [8], "num_stages": [3]},
+            {"block_m": [128], "block_n": [128], "block_k": [32, 64], "block_n_down": [128], "block_k_down": [32, 64],
+             "num_warps": [4, 8], "num_stages": [4]}]
+
+
+# Alternatives timed by --sweep for MLA: per-token gather vs whole-page tiles, head blocks up to 64
+# (one program per 64 heads needs 8 warps for its [64, 512] f32 accumulator), pipeline depth, splits.
+MLA_GRID = [
+    {"tile": ["gather", "pages"], "block_h": [16, 32], "block_t": [32, 64], "num_warps": [4, 8], "num_stages": [2]},
+    {"tile": ["pages"], "block_h": [64], "block_t": [16, 32], "num_warps": [8], "num_stages": [1, 2],
+     "num_splits": [1, 2]},
+    {"tile": ["pages"], "block_h": [16, 32], "block_t": [32], "num_warps": [4], "num_stages": [3],
+     "num_splits": [1, 2]},
+]
+
+
+def run_moe(tokens, bw, rate, sweep, smoke, interpret, grid=None):
     E, H, I = (4, 64, 32) if smoke else (32, 7168, 2048)
     k = jax.random.split(jax.random.key(0), 4)
     wg = (jax.random.normal(k[1], (E, H, I)) * 0.02).astype(BF16)
@@ -74,15 +112,7 @@ def run_moe(tokens, bw, rate, sweep, smoke, interpret):
         t_d = bench(dense, x.reshape(E, t, H), wg, wu, wd)
         with kernel_mode("pallas"):
             p = select_moe(N, E, H, I, BF16).params
-        configs = [p]
-        if sweep:
-            for bm in (16, 32, 64, 128):
-                for bn, bk in ((64, 64), (64, 128), (128, 64), (128, 128)):
-                    for nw in (4, 8):
-                        if bm >= t * 4 and bm > 16:
-                            continue
-                        configs.append(dict(p, block_m=bm, block_n=bn, block_k=bk, block_n_down=bn,
-                                            block_k_down=min(bk, bn), num_warps=nw))
+        configs = [p] + ([dict(p, **g) for g in expand(grid or moe_grid(t))] if sweep else [])
         for i, c in enumerate(configs):
             f = jax.jit(functools.partial(fused_moe, **c, interpret=interpret))
             try:
@@ -96,13 +126,19 @@ def run_moe(tokens, bw, rate, sweep, smoke, interpret):
                   f"{tag} {c}")
 
 
-def run_mla(batches, ctx, bw, rate, sweep, smoke, interpret):
-    H, C, R, bs = (16, 64, 16, 16) if smoke else (128, 512, 64, 16)
+def run_mla(batches, ctx, bw, rate, sweep, smoke, interpret, heads=(128,), grid=None, kvs=("bf16", "fp8"),
+            kvs_sweep=("bf16",)):
+    for H in heads:
+        run_mla_heads(16 if smoke else H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs, kvs_sweep)
+
+
+def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs, kvs_sweep):
+    C, R, bs = (64, 16, 16) if smoke else (512, 64, 16)
     scale = 0.1
     print(f"\n== MLA decode: H={H} C={C} R={R} block={bs} context={ctx} ==")
     print(f"{'cache':>5} {'B':>4} {'floor us':>9} {'xla us':>9} {'pallas us':>9} {'xla TB/s':>8} {'pal TB/s':>8} "
           f"{'xla/pal':>7} {'pal/floor':>9}  params")
-    for kv in ("bf16", "fp8"):
+    for kv in kvs:
         for B in batches:
             nb = -(-ctx // bs)
             slots = B * nb * bs
@@ -124,13 +160,7 @@ def run_mla(batches, ctx, bw, rate, sweep, smoke, interpret):
                 t_x = bench(fx, ql, qr, cache, bt, lens)
             with kernel_mode("pallas"):
                 p = select_mla(B, H, C, R, nb * bs, bs, cache.dtype).params
-            configs = [p]
-            if sweep:
-                for bh in (16, 32, 64):
-                    for bt_ in (16, 32, 64):
-                        for ns in sorted({1, 2, 4, 8, p["num_splits"]}):
-                            for nw in (4, 8):
-                                configs.append(dict(p, block_h=bh, block_t=bt_, num_splits=ns, num_warps=nw))
+            configs = [p] + ([dict(p, **g) for g in expand(grid or MLA_GRID)] if sweep and kv in kvs_sweep else [])
             for i, c in enumerate(configs):
                 f = jax.jit(functools.partial(mla_decode_pallas, block_size=bs, scale=scale, layer=0, **c,
                                               interpret=interpret))
@@ -171,6 +201,9 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--sweep", action="store_true", help="also time alternative block sizes")
+    ap.add_argument("--grid", type=json.loads, help="sweep grid for the --only kernel, JSON: {param: [values]}")
+    ap.add_argument("--heads", type=int, nargs="+", default=[128], help="MLA query heads (128: V3; 16: V2-Lite)")
+    ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=("bf16", "fp8"), help="MLA cache dtypes")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: checks the script on CPU")
     a = ap.parse_args()
     plat = platform()
@@ -185,9 +218,10 @@ def main():
     bw, rate = measure_card(a.smoke)
     print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     if a.only in (None, "moe"):
-        run_moe(a.tokens, bw, rate, a.sweep, a.smoke, interpret)
+        run_moe(a.tokens, bw, rate, a.sweep, a.smoke, interpret, a.grid if a.only == "moe" else None)
     if a.only in (None, "mla"):
-        run_mla(a.batch, a.context, bw, rate, a.sweep, a.smoke, interpret)
+        run_mla(a.batch, a.context, bw, rate, a.sweep, a.smoke, interpret, a.heads,
+                a.grid if a.only == "mla" else None, a.kv)
     if a.only in (None, "mfa"):
         run_mfa(a.batch, 4096 if not a.smoke else a.context, bw, a.smoke)
     return 0
