@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.compat import compiler_params, interpret_mode
+from pallas_kernels.compat import compiler_params, interpret_mode, masked_load
 
 FP8 = jnp.float8_e4m3fn
 
@@ -103,6 +103,7 @@ def _mla_pages_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref
     cdt = ql.dtype
     BH = ql.shape[0]
     offs = jnp.arange(block_size, dtype=jnp.int32)
+    lyr = jnp.int32(layer)  # an array index: the interpreter's masked load needs shapes
 
     def body(i, carry):
         m, l, acc = carry
@@ -112,10 +113,14 @@ def _mla_pages_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref
             valid = p_idx * block_size + offs < seq_len  # [bs]; split_pages % pages_per_tile == 0
             page = jnp.where(p_idx * block_size < seq_len, bt_ref[b, jnp.minimum(p_idx, nb - 1)], 0)
             rows = pl.ds(page * block_size, block_size)
-            lat = cache_ref[layer, rows, pl.ds(0, C)]  # [bs, C]
-            rop = cache_ref[layer, rows, pl.ds(C, R)]  # [bs, R]
-            lat = jnp.where(valid[:, None], lat.astype(cdt), jnp.zeros((), cdt))
-            rop = jnp.where(valid[:, None], rop.astype(cdt), jnp.zeros((), cdt))
+            # Masked loads (zero fill) rather than a select after the load: the load then feeds the
+            # dots directly, so Triton can stage it asynchronously into shared memory.
+            if fp8:  # (Triton cannot fill FP8 with a zero "other": select after the cast instead)
+                lat = jnp.where(valid[:, None], cache_ref[layer, rows, pl.ds(0, C)].astype(cdt), jnp.zeros((), cdt))
+                rop = jnp.where(valid[:, None], cache_ref[layer, rows, pl.ds(C, R)].astype(cdt), jnp.zeros((), cdt))
+            else:
+                lat = masked_load(cache_ref.at[lyr, rows, pl.ds(0, C)], valid[:, None]).astype(cdt)  # [bs, C]
+                rop = masked_load(cache_ref.at[lyr, rows, pl.ds(C, R)], valid[:, None]).astype(cdt)  # [bs, R]
             sc = jax.lax.dot_general(ql, lat, (((1,), (1,)), ((), ())), preferred_element_type=f32)
             sc = sc + jax.lax.dot_general(qr, rop, (((1,), (1,)), ((), ())), preferred_element_type=f32)
             if fp8:

@@ -78,11 +78,11 @@ def moe_grid(t):
 # Alternatives timed by --sweep for MLA: per-token gather vs whole-page tiles, head blocks up to 64
 # (one program per 64 heads needs 8 warps for its [64, 512] f32 accumulator), pipeline depth, splits.
 MLA_GRID = [
-    {"tile": ["gather", "pages"], "block_h": [16, 32], "block_t": [32, 64], "num_warps": [4, 8], "num_stages": [2]},
-    {"tile": ["pages"], "block_h": [64], "block_t": [16, 32], "num_warps": [8], "num_stages": [1, 2],
+    {"tile": ["pages"], "block_h": [16], "block_t": [16, 32, 64], "num_warps": [4], "num_stages": [2, 3],
      "num_splits": [1, 2]},
-    {"tile": ["pages"], "block_h": [16, 32], "block_t": [32], "num_warps": [4], "num_stages": [3],
-     "num_splits": [1, 2]},
+    {"tile": ["pages"], "block_h": [32], "block_t": [16, 32], "num_warps": [4, 8], "num_stages": [2]},
+    {"tile": ["pages"], "block_h": [64], "block_t": [16, 32, 64], "num_warps": [8], "num_stages": [1, 2]},
+    {"tile": ["gather"], "block_h": [16], "block_t": [64], "num_warps": [8], "num_stages": [2]},
 ]
 
 

@@ -12,10 +12,9 @@ Triton kernels, else XLA. "pallas" forces the kernels everywhere; on CPU they
 run in the Pallas interpreter (slow: tests only). ``MOEJAX_PALLAS_INTERPRET=1``
 forces the interpreter on GPU as well (debugging).
 
-Block sizes below are starting points chosen from the kernels' structure and
-the common Triton MoE / decode-attention configurations (vLLM, SGLang); they
-are not tuned on hardware yet: ``scripts/bench_kernels.py --sweep`` times the
-alternatives on the GPU.
+Block sizes below are the fastest of ``scripts/bench_kernels.py --sweep`` on
+an H200 (BENCHMARKS.md; raw sweeps in benchmarks/). On ROCm they are the same
+shapes with a shallower pipeline (not run: no AMD GPU here).
 """
 
 from __future__ import annotations
@@ -127,14 +126,15 @@ def select_moe(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, 
         return Choice("xla", reason="dims below the Triton dot minimum (16)")
     rocm = platform() == "rocm"
     per_expert = num_rows / max(num_experts, 1)
-    if per_expert <= 16:  # decode: weight streaming, many small programs
-        p = dict(block_m=16, block_n=64, block_k=128, block_n_down=64, block_k_down=64, num_warps=4, num_stages=4)
+    # Best of the H200 sweep (benchmarks/moe_sweep_2026-12-02b.txt, DeepSeek-V3 EP8 share).
+    if per_expert <= 16:  # decode: weight streaming; 128-wide tiles read 256 B runs of each weight row
+        p = dict(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=64, num_warps=4, num_stages=3)
     elif per_expert <= 64:
         p = dict(block_m=32, block_n=64, block_k=128, block_n_down=64, block_k_down=64, num_warps=4, num_stages=3)
     elif per_expert <= 256:
-        p = dict(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64, num_warps=4, num_stages=3)
-    else:  # prefill
         p = dict(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64, num_warps=8, num_stages=3)
+    else:  # prefill: FLOP-bound, biggest tiles that fit shared memory
+        p = dict(block_m=128, block_n=128, block_k=64, block_n_down=256, block_k_down=64, num_warps=8, num_stages=3)
     if rocm:
         p["num_stages"] = 2
     # Never tiles wider than the (power-of-two-rounded) dims themselves.
