@@ -12,6 +12,10 @@ Flash-decoding in two stages:
    of all head blocks of one (sequence, split) run together and share each
    latent tile through L2: HBM sees the sequence's cache about once. With
    ``block_h == H`` one program really does all heads against one read.
+   ``_mla_pages_kernel`` is the same program with whole cache pages as tiles:
+   one scalar page id, then a contiguous masked [block_size, D] load that feeds
+   the dots directly (Triton stages it through shared memory asynchronously).
+   On the H200 it is 1.2-1.9x faster than the per-token gather (the default).
 2. Reduction over splits (plain JAX, fused by XLA): weights exp(lse_s - lse_max).
    With one split, stage 1 writes the final result and there is no stage 2.
 

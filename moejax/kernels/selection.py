@@ -162,22 +162,22 @@ def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, blo
     use, forced = _want_pallas(mode)
     if not use:
         return Choice("xla", reason="mode or platform")
-    if not forced:
-        # Measured on an H200 (BENCHMARKS.md, 2026-12-02): this kernel ran at 0.55-0.67x the XLA
-        # gather path at DeepSeek-V3 shapes, so "auto" keeps XLA until it is tuned; "pallas" forces it.
-        return Choice("xla", reason="measured slower than XLA on H200")
     if not forced and not (_pow2(latent) and _pow2(rope) and latent >= 16 and rope >= 16 and heads >= 1):
         return Choice("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
     rocm = platform() == "rocm"
     # Triton dots need M >= 16; the interpreter (CPU) takes any head block.
     block_h = 16 if heads >= 16 or platform() != "cpu" else 1 << max(heads - 1, 0).bit_length()
-    block_t = 16 if rocm else 32
+    # H200 sweep (BENCHMARKS.md, benchmarks/mla_sweep_2026-12-02c.txt): whole-page tiles with
+    # masked loads; 16-head blocks (larger ones spill the [heads, 512] f32 accumulator);
+    # one page per step when many head blocks share each page through L2, two otherwise.
+    block_t = block_size if heads >= 64 or rocm else 2 * block_size
     head_blocks = -(-heads // block_h)
     programs = batch * head_blocks
-    target = 2 * num_compute_units()
+    target = num_compute_units()
     max_splits = max(1, max_len // 256)  # a split should cover >= 256 tokens
     num_splits = max(1, min(max_splits, -(-target // max(programs, 1)), 16))
-    p = dict(block_h=block_h, block_t=block_t, num_splits=num_splits, num_warps=4, num_stages=1 if rocm else 2)
+    p = dict(tile="pages", block_h=block_h, block_t=block_t, num_splits=num_splits, num_warps=4,
+             num_stages=1 if rocm else 2)
     return Choice("pallas", p, "forced" if forced else "gpu")
 
 
