@@ -7,12 +7,24 @@ matmul rate.
 
   python scripts/bench_decode.py --preset deepseek-v2-lite --layers 6 --concurrency 64 \
       --input-len 1000 --parallel none,dp1-ep1 --json out.json
+  python scripts/bench_decode.py --preset deepseek-v2-lite --concurrency 1024 --input-len 2000 \
+      --kernels auto,xla --fill random --peer
+
+--fill prefill (default) runs the real prefill; --fill random admits the batch as if prefilled
+(blocks allocated, every prompt position's cache row written with random values, one token
+appended): the decode steps then read a full-length cache exactly as after a prefill, at a
+fraction of the set-up time. --kernels takes a comma list; the weights are generated once and
+shared by the runs. --peer runs HF transformers in a child process before JAX touches the
+GPU (JAX reserves most of the GPU's memory for itself once it starts).
 """
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -115,8 +127,71 @@ def run_peer(hf, a):
     return a.concurrency * a.output_len / max(total - prefill, 1e-9)
 
 
-def run_one(hf, parallel, a):
-    m = random_model(hf, a.dtype, parallel=None if parallel == "none" else parallel, kernels=a.kernels,
+def fill_without_prefill(eng, seed: int = 0) -> None:
+    """Admits every waiting sequence as if prefilled: its blocks allocated, its prompt positions
+    marked cached, one token appended, and the whole cache written with random rows (values of
+    the scale a normalised latent has). Decode then does exactly the work it does after a real
+    prefill of that length; only the cached values differ."""
+    from moejax.engine.sequence import Status
+    from moejax.layers.kv_quant import is_fp8_cache, quantize_rows
+    sch, rng = eng.scheduler, np.random.default_rng(seed)
+    while sch.waiting:
+        seq = sch.waiting.popleft()
+        if not eng.blocks.can_allocate(seq):
+            raise SystemExit("the KV cache cannot hold the batch")
+        eng.blocks.allocate(seq)
+        seq.status = Status.RUNNING
+        seq.num_cached_tokens = len(seq)
+        seq.token_ids.append(int(rng.integers(2, eng.runner.cfg.vocab_size)))
+        sch.running.append(seq)
+    runner = eng.runner
+    kv_dim = runner.cfg.kv_cache_dim
+    fp8 = is_fp8_cache(runner.cache)
+
+    def fill(cache, key):
+        def layer(i, c):
+            v = jax.random.normal(jax.random.fold_in(key, i), (c.shape[0], c.shape[2], kv_dim), jnp.float32)
+            rows = quantize_rows(v, c.shape[-1]) if fp8 else v.astype(c.dtype)
+            return jax.lax.dynamic_update_slice_in_dim(c, rows[:, None], i, axis=1)
+        return jax.lax.fori_loop(0, cache.shape[1], layer, cache)
+
+    sharding = getattr(runner.cache, "sharding", None)
+    runner.cache = jax.jit(fill, donate_argnums=0, out_shardings=sharding)(runner.cache, jax.random.key(seed))
+    runner.cache.block_until_ready()
+
+
+PEER_TIMEOUT_S = int(os.environ.get("MOEJAX_PEER_TIMEOUT", "900"))
+_PARAMS: dict = {}  # weights generated once per process, shared by the runs
+
+
+def peer_in_child(argv) -> tuple[float | None, str | None]:
+    """Runs the transformers peer in a child process (this one has not touched the GPU yet), so its
+    memory is free again for JAX. Returns (tokens/s, None) or (None, why it did not run)."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "peer.json")
+        argv = [x for x in argv if x != "--peer"]
+        if "--json" in argv:  # the child writes its own file
+            i = argv.index("--json")
+            argv = argv[:i] + argv[i + 2:]
+        try:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--peer-only", "--json", out],
+                                  capture_output=True, text=True, timeout=PEER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return None, f"stopped after {PEER_TIMEOUT_S} s (MOEJAX_PEER_TIMEOUT)"
+        if proc.returncode != 0:
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            return None, lines[-1][:300] if lines else f"exit code {proc.returncode}"
+        with open(out) as f:
+            return json.load(f)["peer_tok_per_s"], None
+
+
+def run_one(hf, parallel, kernels, a):
+    from moejax.config import ModelConfig
+    from moejax.tiny.random_model import random_device_params
+    if "params" not in _PARAMS:
+        _PARAMS["params"] = random_device_params(ModelConfig.from_dict(hf), a.dtype)
+    m = random_model(hf, a.dtype, parallel=None if parallel == "none" else parallel, kernels=kernels,
+                     params=_PARAMS["params"],
                      kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype],
                      max_model_len=a.input_len + a.output_len + 16, max_num_seqs=a.concurrency,
                      num_kv_blocks=a.concurrency * (-(-(a.input_len + a.output_len + 16) // 16)))
@@ -124,6 +199,8 @@ def run_one(hf, parallel, a):
     rng = np.random.default_rng(0)
     seqs = [eng.add_request(rng.integers(2, m.config.vocab_size, size=a.input_len).tolist(),
                             SamplingParams(max_new_tokens=a.output_len, ignore_eos=True)) for _ in range(a.concurrency)]
+    if a.fill == "random":
+        fill_without_prefill(eng)
     while eng.scheduler.waiting:  # prefill everything (not timed)
         eng.step()
     times = []
@@ -156,12 +233,19 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--parallel", default="none", help="comma list: none (plain path) and/or configs, e.g. none,dp1-ep1")
-    ap.add_argument("--kernels", choices=["auto", "pallas", "xla"], default="xla")
+    ap.add_argument("--kernels", default="xla", help="comma list of auto / pallas / xla (one run each)")
+    ap.add_argument("--fill", choices=["prefill", "random"], default="prefill",
+                    help="how the batch's cache is filled before the timed steps (see above)")
+    ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the --peer child process
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--components", action="store_true", help="also time attention and MoE alone at the step's shapes")
     ap.add_argument("--peer", action="store_true", help="also run HF transformers (PyTorch) at the same batch and lengths")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    kernel_modes = a.kernels.split(",")
+    for k in kernel_modes:
+        if k not in ("auto", "pallas", "xla"):
+            raise SystemExit(f"--kernels: {k!r} is not one of auto, pallas, xla")
     hf = preset(a.preset)
     if a.layers:
         hf = with_layers(hf, a.layers)
@@ -170,6 +254,17 @@ def main(argv=None):
         hf[k] = json.loads(v)
     from moejax.config import ModelConfig
     cfg = ModelConfig.from_dict(hf)
+    if a.peer_only:  # child process: no JAX device use at all
+        tps = run_peer(hf, a)
+        with open(a.json, "w") as f:
+            json.dump({"peer_tok_per_s": tps}, f)
+        return
+    peer = peer_note = None
+    if a.peer:
+        if cfg.model_type.startswith("step3"):
+            peer_note = "transformers has no Step3 model"
+        else:
+            peer, peer_note = peer_in_child(argv if argv is not None else sys.argv[1:])
     bw, rate = measure_copy_bandwidth(), measure_matmul_rate()
     ctx = a.input_len + a.warmup + a.steps // 2
     nbytes, flops = step_floor(cfg, a.concurrency, ctx, kv_itemsize=1 if a.kv_dtype == "fp8" else 2)
@@ -181,16 +276,21 @@ def main(argv=None):
                "input_len": a.input_len, "device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rate": rate,
                "floor_s": floor, "runs": {}}
     base = None
-    for p in a.parallel.split(","):
-        t = run_one(hf, p, a)
-        med = statistics.median(t)
-        base = base or med
-        r = {"median_step_s": med, "p90_step_s": float(np.percentile(t, 90)), "tok_per_s": a.concurrency / med,
-             "floor_fraction": floor / med, "vs_first": med / base, "steps": len(t)}
-        results["runs"][p] = r
-        print(f"{p:>12}: median step {med * 1e3:.3f} ms, p90 {r['p90_step_s'] * 1e3:.3f} ms, {r['tok_per_s']:.0f} tok/s, "
-              f"{r['floor_fraction'] * 100:.1f}% of floor, x{r['vs_first']:.3f} vs {a.parallel.split(',')[0]}")
-        sys.stdout.flush()
+    results["runs_by_kernels"] = {}
+    for kern in kernel_modes:
+        for p in a.parallel.split(","):
+            t = run_one(hf, p, kern, a)
+            med = statistics.median(t)
+            base = base or med
+            r = {"median_step_s": med, "p90_step_s": float(np.percentile(t, 90)), "tok_per_s": a.concurrency / med,
+                 "floor_fraction": floor / med, "vs_first": med / base, "steps": len(t)}
+            results["runs_by_kernels"].setdefault(kern, {})[p] = r
+            if kern == kernel_modes[0]:
+                results["runs"][p] = r
+            print(f"{p:>12} [{kern}]: median step {med * 1e3:.3f} ms, p90 {r['p90_step_s'] * 1e3:.3f} ms, "
+                  f"{r['tok_per_s']:.0f} tok/s, {r['floor_fraction'] * 100:.1f}% of floor, x{r['vs_first']:.3f} vs first")
+            sys.stdout.flush()
+    a.kernels = kernel_modes[0]  # components use the first mode
     if a.components:
         comp = time_components(cfg, a, ctx)
         step = results["runs"][a.parallel.split(",")[0]]["median_step_s"]
@@ -198,11 +298,12 @@ def main(argv=None):
         results["components_s"] = comp
         print("components (each timed alone): " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in comp.items()))
     if a.peer:
-        if cfg.model_type.startswith("step3"):
-            print("peer: transformers has no Step3 model; skipped")
+        if peer is not None:
+            results["peer_tok_per_s"] = peer
+            print(f"peer (transformers, bf16, static cache): {peer:.0f} decode tok/s")
         else:
-            results["peer_tok_per_s"] = run_peer(hf, a)
-            print(f"peer (transformers, bf16, static cache): {results['peer_tok_per_s']:.0f} decode tok/s")
+            results["peer_note"] = peer_note
+            print(f"peer: not run ({peer_note})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -106,26 +106,33 @@ OFFLINE_FIELDS = ["preset", "layers", "concurrency", "input_len", "tok_per_s", "
 
 
 def offline_sweep(a) -> list[dict]:
-    import bench_decode
+    """One bench_decode process per (preset, concurrency): moejax with --kernels auto and the XLA
+    baseline on the same weights, the transformers peer (child process) up to --peer-max-concurrency.
+    Separate processes so that each point starts with the whole GPU free."""
+    import json
     rows = []
     for name in a.presets.split(","):
         for c in a.levels:
-            common = ["--preset", name, "--concurrency", str(c), "--input-len", str(a.random_input_len),
-                      "--output-len", str(a.random_output_len), "--steps", str(a.steps)]
-            if a.layers:
-                common += ["--layers", str(a.layers)]
             out = os.path.join(a.out_dir, f"decode_{name}_c{c}.json")
-            bench_decode.main(common + ["--kernels", "auto", "--json", out] + (["--peer"] if a.peer else []))
-            import json
-            r = json.load(open(out))
-            xla_out = os.path.join(a.out_dir, f"decode_{name}_c{c}_xla.json")
-            bench_decode.main(common + ["--kernels", "xla", "--json", xla_out])
-            x = json.load(open(xla_out))
-            run = r["runs"]["none"]
+            cmd = [sys.executable, os.path.join(HERE, "bench_decode.py"), "--preset", name, "--concurrency", str(c),
+                   "--input-len", str(a.random_input_len), "--output-len", str(a.random_output_len),
+                   "--steps", str(a.steps), "--warmup", str(a.warmup_steps), "--kernels", "auto,xla",
+                   "--fill", a.fill, "--json", out]
+            if a.layers:
+                cmd += ["--layers", str(a.layers)]
+            if a.peer and c <= a.peer_max_concurrency:
+                cmd += ["--peer"]
+            print("+", shlex.join(cmd[1:]), flush=True)
+            if subprocess.run(cmd).returncode != 0:
+                print(f"{name} c={c}: bench_decode failed; left out of the table", flush=True)
+                continue
+            with open(out) as f:
+                r = json.load(f)
+            auto, xla = r["runs_by_kernels"]["auto"]["none"], r["runs_by_kernels"]["xla"]["none"]
             rows.append({"preset": name, "layers": r["layers"], "concurrency": c, "input_len": a.random_input_len,
-                         "tok_per_s": run["tok_per_s"], "median_step_ms": run["median_step_s"] * 1e3,
-                         "floor_ms": r["floor_s"] * 1e3, "floor_fraction": run["floor_fraction"],
-                         "xla_tok_per_s": x["runs"]["none"]["tok_per_s"], "peer_tok_per_s": r.get("peer_tok_per_s"),
+                         "tok_per_s": auto["tok_per_s"], "median_step_ms": auto["median_step_s"] * 1e3,
+                         "floor_ms": r["floor_s"] * 1e3, "floor_fraction": auto["floor_fraction"],
+                         "xla_tok_per_s": xla["tok_per_s"], "peer_tok_per_s": r.get("peer_tok_per_s"),
                          "device": r["device"]})
     path = os.path.join(a.out_dir, "decode_sweep.csv")
     with open(path, "w", newline="") as f:
@@ -183,6 +190,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--layers", type=int, default=None, help="--offline: override the presets' layer count")
     ap.add_argument("--steps", type=int, default=20, help="--offline: timed decode steps per point")
     ap.add_argument("--peer", action="store_true", help="--offline: also run HF transformers")
+    ap.add_argument("--peer-max-concurrency", type=int, default=64,
+                    help="--offline: the peer only up to this level (its expanded per-head KV cache outgrows the GPU)")
+    ap.add_argument("--warmup-steps", type=int, default=3, help="--offline: untimed decode steps per point")
+    ap.add_argument("--fill", choices=["prefill", "random"], default="prefill",
+                    help="--offline: real prefill, or a random cache of the same length (bench_decode --fill)")
     a = ap.parse_args(argv)
     a.levels = [int(c) for c in a.concurrency.split(",") if c.strip()]
     os.makedirs(a.out_dir, exist_ok=True)

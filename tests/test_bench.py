@@ -67,12 +67,14 @@ def test_offline_decode_sweep_and_components(tmp_path):
     each preset and concurrency and writes the CSV and plot; the step is split into components."""
     rows = sweep.main(["--offline", "--presets", "v3-tiny,step3-tiny", "--concurrency", "2",
                        "--random-input-len", "12", "--random-output-len", "10", "--steps", "2",
-                       "--peer", "--out-dir", str(tmp_path)])
+                       "--peer", "--fill", "random", "--out-dir", str(tmp_path)])
     assert [(r["preset"], r["concurrency"]) for r in rows] == [("v3-tiny", 2), ("step3-tiny", 2)]
     with open(tmp_path / "decode_sweep.csv") as f:
         got = list(csv.DictReader(f))
     assert len(got) == 2 and all(float(r["tok_per_s"]) > 0 and float(r["xla_tok_per_s"]) > 0 for r in got)
     assert all(float(r["peer_tok_per_s"]) > 0 for r in got if r["preset"] == "v3-tiny")
+    with open(tmp_path / "decode_step3-tiny_c2.json") as f:
+        assert "Step3" in json.load(f)["peer_note"]
     assert (tmp_path / "decode_sweep.png").stat().st_size > 1000
     import bench_decode
     out = tmp_path / "components.json"
@@ -80,3 +82,34 @@ def test_offline_decode_sweep_and_components(tmp_path):
                        "--steps", "2", "--components", "--json", str(out)])
     comp = json.load(open(out))["components_s"]
     assert set(comp) == {"attention", "moe", "rest"} and comp["attention"] > 0 and comp["moe"] > 0
+
+
+def test_random_fill_leaves_the_engine_as_a_prefill_would(tmp_path):
+    """bench_decode --fill random: same blocks, cached lengths and queue state as a real prefill,
+    and decode then runs on the random cache."""
+    import bench_decode
+    import numpy as np
+    from moejax.engine.sampling_params import SamplingParams
+    from moejax.tiny.presets import preset
+    from moejax.tiny.random_model import random_model
+    engines = []
+    for fill in ("prefill", "random"):
+        m = random_model(preset("v3-tiny"), "float32", max_model_len=64, max_num_seqs=4, num_kv_blocks=16)
+        eng = m.engine
+        rng = np.random.default_rng(0)
+        seqs = [eng.add_request(rng.integers(2, 100, size=n).tolist(), SamplingParams(max_new_tokens=5))
+                for n in (7, 16, 3)]
+        if fill == "random":
+            bench_decode.fill_without_prefill(eng)
+        while eng.scheduler.waiting:
+            eng.step()
+        engines.append((eng, seqs))
+        cache = np.asarray(eng.runner.cache, np.float32)
+        assert np.isfinite(cache).all() and np.abs(cache).max() > 0  # written, never zeros
+    (e1, s1), (e2, s2) = engines
+    assert [len(s) for s in s1] == [len(s) for s in s2] == [8, 17, 4]
+    assert [s.num_cached_tokens for s in s1] == [s.num_cached_tokens for s in s2]
+    assert [len(s.block_table) for s in s1] == [len(s.block_table) for s in s2]
+    assert e1.scheduler.running == s1 and e2.scheduler.running == s2
+    kind, stepped = e2.step()
+    assert kind == "decode" and stepped == s2 and [len(s) for s in s2] == [9, 18, 5]

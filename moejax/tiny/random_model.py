@@ -32,7 +32,9 @@ def random_device_params(cfg: ModelConfig, dtype: str, seed: int = 0, std: float
     return unflatten(out)
 
 
-def random_model(hf_config: dict, dtype: str = "bfloat16", parallel: str | None = None, seed: int = 0, **load_kw) -> Model:
+def random_model(hf_config: dict, dtype: str = "bfloat16", parallel: str | None = None, seed: int = 0,
+                 params=None, **load_kw) -> Model:
+    """``params``: reuse already generated weights (random_device_params of the same config)."""
     from moejax.parallel.config import ParallelConfig
     cfg = ModelConfig.from_dict(hf_config)
     tmp = tempfile.mkdtemp(prefix="moejax-tok-")
@@ -40,4 +42,6 @@ def random_model(hf_config: dict, dtype: str = "bfloat16", parallel: str | None 
     kw = {"max_model_len": 4096, "max_num_seqs": 256, "block_size": 16, "num_kv_blocks": None,
           "max_prefill_tokens": 8192, **load_kw}
     pc = ParallelConfig.load(parallel) if parallel else None
-    return Model(cfg, hf_config, random_device_params(cfg, dtype, seed), Tokenizer(tmp), dtype, tmp, parallel=pc, **kw)
+    if params is None:
+        params = random_device_params(cfg, dtype, seed)
+    return Model(cfg, hf_config, params, Tokenizer(tmp), dtype, tmp, parallel=pc, **kw)
