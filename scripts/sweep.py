@@ -127,14 +127,33 @@ def offline_sweep(a) -> list[dict]:
                 print(f"{name} c={c}: bench_decode failed; left out of the table", flush=True)
                 continue
             with open(out) as f:
-                r = json.load(f)
-            auto, xla = r["runs_by_kernels"]["auto"]["none"], r["runs_by_kernels"]["xla"]["none"]
-            rows.append({"preset": name, "layers": r["layers"], "concurrency": c, "input_len": a.random_input_len,
-                         "tok_per_s": auto["tok_per_s"], "median_step_ms": auto["median_step_s"] * 1e3,
-                         "floor_ms": r["floor_s"] * 1e3, "floor_fraction": auto["floor_fraction"],
-                         "xla_tok_per_s": xla["tok_per_s"], "peer_tok_per_s": r.get("peer_tok_per_s"),
-                         "device": r["device"]})
-    path = os.path.join(a.out_dir, "decode_sweep.csv")
+                rows.append(offline_row(json.load(f)))
+    return write_offline(rows, a.out_dir, f"offline decode, input {a.random_input_len}")
+
+
+def offline_row(r: dict) -> dict:
+    """One CSV row from a bench_decode --json result (moejax auto vs the XLA baseline)."""
+    auto, xla = r["runs_by_kernels"]["auto"]["none"], r["runs_by_kernels"]["xla"]["none"]
+    return {"preset": r["preset"], "layers": r["layers"], "concurrency": r["concurrency"], "input_len": r["input_len"],
+            "tok_per_s": auto["tok_per_s"], "median_step_ms": auto["median_step_s"] * 1e3,
+            "floor_ms": r["floor_s"] * 1e3, "floor_fraction": auto["floor_fraction"],
+            "xla_tok_per_s": xla["tok_per_s"], "peer_tok_per_s": r.get("peer_tok_per_s"), "device": r["device"]}
+
+
+def collect_offline(paths: list[str], out_dir: str) -> list[dict]:
+    """--collect: the CSV and plot from bench_decode JSON files saved earlier (e.g. several runs)."""
+    import json
+    rows = []
+    for p in paths:
+        with open(p) as f:
+            rows.append(offline_row(json.load(f)))
+    rows.sort(key=lambda r: (r["preset"], r["concurrency"]))
+    return write_offline(rows, out_dir, "offline decode")
+
+
+def write_offline(rows: list[dict], out_dir: str, title: str) -> list[dict]:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "decode_sweep.csv")
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=OFFLINE_FIELDS)
         w.writeheader()
@@ -143,7 +162,7 @@ def offline_sweep(a) -> list[dict]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 5))
-    for name in a.presets.split(","):
+    for name in dict.fromkeys(r["preset"] for r in rows):
         rs = [r for r in rows if r["preset"] == name]
         ax.plot([r["median_step_ms"] for r in rs], [r["tok_per_s"] for r in rs], "o-", label=f"{name} (moejax)")
         ax.plot([r["concurrency"] / r["xla_tok_per_s"] * 1e3 for r in rs],
@@ -153,11 +172,11 @@ def offline_sweep(a) -> list[dict]:
                         xytext=(5, 5))
     ax.set_xlabel("decode step time (ms)")
     ax.set_ylabel("decode throughput (tokens/s)")
-    ax.set_title(f"offline decode, input {a.random_input_len}")
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    png = os.path.join(a.out_dir, "decode_sweep.png")
+    png = os.path.join(out_dir, "decode_sweep.png")
     fig.savefig(png, dpi=120)
     plt.close(fig)
     print(f"\nwrote {path} and {png}")
@@ -186,6 +205,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup", action="store_true",
                     help="before each level, an unmeasured run of `level` short requests (compiles its shapes)")
     ap.add_argument("--offline", action="store_true", help="sweep scripts/bench_decode.py instead of a server")
+    ap.add_argument("--collect", nargs="+", metavar="JSON",
+                    help="no runs: the offline CSV and plot from saved bench_decode --json files")
     ap.add_argument("--presets", default="deepseek-v2-lite", help="--offline: comma-separated bench_decode presets")
     ap.add_argument("--layers", type=int, default=None, help="--offline: override the presets' layer count")
     ap.add_argument("--steps", type=int, default=20, help="--offline: timed decode steps per point")
@@ -198,6 +219,8 @@ def main(argv=None) -> list[dict]:
     a = ap.parse_args(argv)
     a.levels = [int(c) for c in a.concurrency.split(",") if c.strip()]
     os.makedirs(a.out_dir, exist_ok=True)
+    if a.collect:
+        return collect_offline(a.collect, a.out_dir)
     if a.offline:
         return offline_sweep(a)
 

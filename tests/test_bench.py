@@ -75,6 +75,9 @@ def test_offline_decode_sweep_and_components(tmp_path):
     assert all(float(r["peer_tok_per_s"]) > 0 for r in got if r["preset"] == "v3-tiny")
     with open(tmp_path / "decode_step3-tiny_c2.json") as f:
         assert "Step3" in json.load(f)["peer_note"]
+    again = sweep.main(["--collect", str(tmp_path / "decode_v3-tiny_c2.json"), str(tmp_path / "decode_step3-tiny_c2.json"),
+                        "--out-dir", str(tmp_path / "collected")])  # the table rebuilt from the saved results
+    assert sorted((r["preset"], r["tok_per_s"]) for r in again) == sorted((r["preset"], r["tok_per_s"]) for r in rows)
     assert (tmp_path / "decode_sweep.png").stat().st_size > 1000
     import bench_decode
     out = tmp_path / "components.json"
