@@ -91,10 +91,18 @@ def _mla_split_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref
     lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
 
 
-def _mla_pages_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, *, layer, C, R, block_size,
-                      nb, pages_per_tile, split_pages, scale, fp8):
+def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_pages, scale, fp8, v_off,
+                      scale_col):
     """Like ``_mla_split_kernel`` but a tile is ``pages_per_tile`` whole cache pages, each read as one
-    contiguous [block_size, D] slab (a scalar page id, then a plain strided load: no per-token gather)."""
+    contiguous [block_size, D] slab (a scalar page id, then a plain strided load: no per-token gather).
+
+    Scores use cache columns [0, C) (plus [C, C+R) against q_rope when R > 0). Values are the same
+    columns [0, C) (MLA: V is the latent) or, with ``v_off``, columns [v_off, v_off + C) (a plain
+    K/V row such as Step3's MFA [k | v]). FP8 rows keep their scale byte at column ``scale_col``."""
+    if R:
+        ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref = refs
+    else:
+        ql_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref = refs
     b = pl.program_id(2)
     s = pl.program_id(1)
     f32 = jnp.float32
@@ -103,11 +111,19 @@ def _mla_pages_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref
     n_pages = jnp.clip((seq_len + block_size - 1) // block_size - page0, 0, split_pages)
     n_tiles = (n_pages + pages_per_tile - 1) // pages_per_tile
     ql = ql_ref[...]  # [BH, C]
-    qr = qr_ref[...]  # [BH, R]
+    qr = qr_ref[...] if R else None  # [BH, R]
     cdt = ql.dtype
     BH = ql.shape[0]
     offs = jnp.arange(block_size, dtype=jnp.int32)
     lyr = jnp.int32(layer)  # an array index: the interpreter's masked load needs shapes
+
+    def load(rows, start, width, valid):
+        if fp8:  # (Triton cannot fill FP8 with a zero "other": select after the cast instead)
+            x = cache_ref[layer, rows, pl.ds(start, width)].astype(cdt)
+            return jnp.where(valid[:, None], x, jnp.zeros((), cdt))
+        # Masked loads (zero fill) rather than a select after the load: the load then feeds the
+        # dots directly, so Triton can stage it asynchronously into shared memory.
+        return masked_load(cache_ref.at[lyr, rows, pl.ds(start, width)], valid[:, None]).astype(cdt)
 
     def body(i, carry):
         m, l, acc = carry
@@ -117,35 +133,31 @@ def _mla_pages_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref
             valid = p_idx * block_size + offs < seq_len  # [bs]; split_pages % pages_per_tile == 0
             page = jnp.where(p_idx * block_size < seq_len, bt_ref[b, jnp.minimum(p_idx, nb - 1)], 0)
             rows = pl.ds(page * block_size, block_size)
-            # Masked loads (zero fill) rather than a select after the load: the load then feeds the
-            # dots directly, so Triton can stage it asynchronously into shared memory.
-            if fp8:  # (Triton cannot fill FP8 with a zero "other": select after the cast instead)
-                lat = jnp.where(valid[:, None], cache_ref[layer, rows, pl.ds(0, C)].astype(cdt), jnp.zeros((), cdt))
-                rop = jnp.where(valid[:, None], cache_ref[layer, rows, pl.ds(C, R)].astype(cdt), jnp.zeros((), cdt))
-            else:
-                lat = masked_load(cache_ref.at[lyr, rows, pl.ds(0, C)], valid[:, None]).astype(cdt)  # [bs, C]
-                rop = masked_load(cache_ref.at[lyr, rows, pl.ds(C, R)], valid[:, None]).astype(cdt)  # [bs, R]
-            sc = jax.lax.dot_general(ql, lat, (((1,), (1,)), ((), ())), preferred_element_type=f32)
-            sc = sc + jax.lax.dot_general(qr, rop, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+            key = load(rows, 0, C, valid)  # [bs, C]
+            sc = jax.lax.dot_general(ql, key, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+            if R:
+                rop = load(rows, C, R, valid)  # [bs, R]
+                sc = sc + jax.lax.dot_general(qr, rop, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+            val = key if v_off is None else load(rows, v_off, C, valid)
             if fp8:
-                byte = jax.lax.bitcast_convert_type(cache_ref[layer, rows, C + R], jnp.uint8)
+                byte = jax.lax.bitcast_convert_type(cache_ref[layer, rows, scale_col], jnp.uint8)
                 row_scale = jnp.exp2(byte.astype(f32) - 127.0)  # [bs]
                 sc = sc * (row_scale * scale)[None, :]
             else:
                 row_scale = None
                 sc = sc * scale
-            parts.append((jnp.where(valid[None, :], sc, -jnp.inf), lat, row_scale))
+            parts.append((jnp.where(valid[None, :], sc, -jnp.inf), val, row_scale))
         m_new = m
         for sc, _, _ in parts:
             m_new = jnp.maximum(m_new, jnp.max(sc, axis=1))
         alpha = jnp.exp(m - m_new)
         l_new = l * alpha
         acc = acc * alpha[:, None]
-        for sc, lat, row_scale in parts:
+        for sc, val, row_scale in parts:
             p = jnp.exp(sc - m_new[:, None])
             l_new = l_new + jnp.sum(p, axis=1)
             pv = p * row_scale[None, :] if fp8 else p
-            acc = acc + jnp.dot(pv.astype(cdt), lat, preferred_element_type=f32)
+            acc = acc + jnp.dot(pv.astype(cdt), val, preferred_element_type=f32)
         return m_new, l_new, acc
 
     init = (jnp.full((BH,), -1e30, f32), jnp.zeros((BH,), f32), jnp.zeros((BH, C), f32))
@@ -155,42 +167,47 @@ def _mla_pages_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref
     lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale", "layer", "kv_dim", "block_h", "block_t",
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "layer", "v_offset", "block_h", "block_t",
                                              "num_splits", "num_warps", "num_stages", "tile", "interpret"))
 def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_size: int, scale: float,
-                      layer: int | None = None, kv_dim: int | None = None, block_h: int = 16, block_t: int = 32,
+                      layer: int | None = None, v_offset: int | None = None, block_h: int = 16, block_t: int = 32,
                       num_splits: int = 1, num_warps: int = 4, num_stages: int = 2, tile: str = "gather",
                       interpret: bool | None = None):
-    """q_latent [B, H, C], q_rope [B, H, R], cache [num_slots, D] or [L, num_slots, D] (then ``layer``
-    picks one), block_tables [B, nb], seq_lens [B] (>= 1) -> context latents [B, H, C] float32.
+    """q_latent [B, H, C], q_rope [B, H, R] or None, cache [num_slots, D] or [L, num_slots, D] (then
+    ``layer`` picks one), block_tables [B, nb], seq_lens [B] (>= 1) -> context [B, H, C] float32.
 
     An FP8 cache (float8_e4m3fn) holds rows in the kv_quant layout. q_latent's dtype is the
     compute dtype of the dots (bf16 on GPU); accumulation and softmax are float32.
     ``tile="gather"`` reads ``block_t`` token rows per step through per-token slots;
     ``tile="pages"`` reads ``block_t // block_size`` whole pages per step, each as one slab.
+    ``v_offset`` (pages only): values are cache columns [v_offset, v_offset + C) instead of the
+    key columns (MLA's V is its latent; a plain [k | v] row, e.g. Step3's MFA, has v_offset = C).
     """
     if tile not in ("gather", "pages"):
         raise ValueError(f"tile must be 'gather' or 'pages', got {tile!r}")
+    if tile == "gather" and (v_offset is not None or q_rope is None):
+        raise ValueError("tile='gather' is MLA only: it needs q_rope and takes no v_offset")
     if interpret is None:
         interpret = interpret_mode()
     if cache.ndim == 2:
         cache, layer = cache[None], 0
     B, H, C = q_latent.shape
-    R = q_rope.shape[-1]
+    R = 0 if q_rope is None else q_rope.shape[-1]
     nb = block_tables.shape[1]
     fp8 = jnp.dtype(cache.dtype) == jnp.dtype(FP8)
-    q_rope = q_rope.astype(q_latent.dtype)
     Hp = pl.cdiv(H, block_h) * block_h
-    if Hp != H:  # heads not a multiple of the head block: zero queries, dropped below
-        q_latent = jnp.pad(q_latent, ((0, 0), (0, Hp - H), (0, 0)))
-        q_rope = jnp.pad(q_rope, ((0, 0), (0, Hp - H), (0, 0)))
+    pad = lambda x: x if Hp == H else jnp.pad(x, ((0, 0), (0, Hp - H), (0, 0)))  # noqa: E731 (zero queries, dropped)
+    q_latent = pad(q_latent)
+    qs = [q_latent] if not R else [q_latent, pad(q_rope.astype(q_latent.dtype))]
     max_len = nb * block_size
     if tile == "pages":
         ppt = max(1, block_t // block_size)
         split_pages = pl.cdiv(pl.cdiv(nb, num_splits), ppt) * ppt  # tiles never cross a split
         num_splits = pl.cdiv(nb, split_pages)
+        kv_cols = C + R if v_offset is None else v_offset + C
         kernel = functools.partial(_mla_pages_kernel, layer=layer, C=C, R=R, block_size=block_size, nb=nb,
-                                   pages_per_tile=ppt, split_pages=split_pages, scale=float(scale), fp8=fp8)
+                                   pages_per_tile=ppt, split_pages=split_pages, scale=float(scale), fp8=fp8,
+                                   v_off=v_offset, scale_col=kv_cols)
     else:
         split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_t) * block_t
         num_splits = pl.cdiv(max_len, split_len)
@@ -201,11 +218,8 @@ def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
     o, lse = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[
-            pl.BlockSpec((None, block_h, C), lambda h, s, b: (b, h, 0)),
-            pl.BlockSpec((None, block_h, R), lambda h, s, b: (b, h, 0)),
-            whole, whole, whole,
-        ],
+        in_specs=[pl.BlockSpec((None, block_h, q.shape[-1]), lambda h, s, b: (b, h, 0)) for q in qs]
+        + [whole, whole, whole],
         out_specs=[
             pl.BlockSpec((None, None, block_h, C), lambda h, s, b: (b, s, h, 0)),
             pl.BlockSpec((None, None, block_h), lambda h, s, b: (b, s, h)),
@@ -215,7 +229,7 @@ def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="mla_decode_split",
-    )(q_latent, q_rope, cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32))
+    )(*qs, cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32))
     if num_splits == 1:
         out = o[:, 0]
     else:

@@ -174,24 +174,45 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
                       f"{kvb / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {'selected' if i == 0 else ''} {c}")
 
 
-def run_mfa(batches, ctx, bw, smoke):
-    """Step3 MFA decode attention (XLA path): 64 query heads against one 256-dim K/V head per token,
-    timed against the bytes it must read (the batch's [k|v] rows, once)."""
+MFA_GRID = {"tile": ["pages"], "block_h": [16, 32], "block_t": [16, 32, 64], "num_warps": [4], "num_stages": [2, 3],
+            "num_splits": [1, 2]}
+
+
+def run_mfa(batches, ctx, bw, rate, sweep, smoke, interpret, grid=None):
+    """Step3 MFA decode attention: 64 query heads against one 256-dim K/V head per token, XLA path
+    and the Pallas pages kernel (values at column 256), against the bytes it must read (the batch's
+    [k|v] rows, once) and its FLOPs."""
+    from moejax.kernels.selection import select_mfa
     from moejax.layers.mfa import mfa_decode_attention
-    nh, D, bs = (4, 16, 4) if smoke else (64, 256, 16)
-    print(f"\n== Step3 MFA decode attention (XLA), {nh} heads x {D}, 1 KV head, context {ctx}, bf16 cache ==")
+    nh, D, bs = (16, 16, 4) if smoke else (64, 256, 16)
+    print(f"\n== Step3 MFA decode attention, {nh} heads x {D}, 1 KV head, context {ctx}, bf16 cache ==")
+    print(f"{'B':>4} {'floor us':>9} {'xla us':>9} {'pallas us':>9} {'xla TB/s':>8} {'pal TB/s':>8} {'xla/pal':>7} "
+          f"{'pal/floor':>9}  params")
     for B in batches:
         nb = -(-ctx // bs)
         key = jax.random.key(B)
-        cache = jax.random.normal(key, (B * nb * bs, 2 * D), jnp.float32).astype(BF16)
-        tables = jnp.arange(B * nb, dtype=jnp.int32).reshape(B, nb)
+        cache = jax.random.normal(key, (B * nb * bs, 2 * D), jnp.float32).astype(BF16)[None]
+        tables = jax.random.permutation(jax.random.fold_in(key, 2), B * nb).reshape(B, nb).astype(jnp.int32)
         q = jax.random.normal(jax.random.fold_in(key, 1), (B, nh, D), jnp.float32).astype(BF16)
         lens = jnp.full((B,), ctx, jnp.int32)
-        fn = jax.jit(lambda q, c, t, l: mfa_decode_attention(q, c, t, l, bs, D ** -0.5, 1))
-        t = bench(fn, q, cache, tables, lens)
+        fn = functools.partial(mfa_decode_attention, block_size=bs, scale=D ** -0.5, num_kv_heads=1, layer=0)
+        with kernel_mode("xla"):
+            t_x = bench(jax.jit(fn), q, cache, tables, lens)
         nbytes = B * ctx * 2 * D * 2
-        print(f"batch {B:4d}: {t * 1e6:9.1f} us, reads {nbytes / 1e6:8.1f} MB -> {nbytes / t / 1e12:5.2f} TB/s "
-              f"= {nbytes / bw / t * 100:5.1f}% of copy bandwidth (floor {nbytes / bw * 1e6:.1f} us)")
+        fl_t = floor(nbytes, 2 * B * nh * ctx * 2 * D, bw, rate)
+        with kernel_mode("pallas"):
+            p = select_mfa(B, nh, D, 1, nb * bs, bs, cache.dtype).params
+        configs = [p] + ([dict(p, **g) for g in expand(grid or MFA_GRID)] if sweep else [])
+        for i, c in enumerate(configs):
+            kw = dict(block_size=bs, scale=D ** -0.5, layer=0, v_offset=D, **c, interpret=interpret)
+            f = jax.jit(lambda q, c_, t, l, kw=kw: mla_decode_pallas(q, None, c_, t, l, **kw))
+            try:
+                t_p = bench(f, q, cache, tables, lens)
+            except Exception as e:
+                print(f"{B:>4}  config {c} failed: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            print(f"{B:>4} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_p * 1e6:9.1f} {nbytes / t_x / 1e12:8.2f} "
+                  f"{nbytes / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {'selected' if i == 0 else ''} {c}")
 
 
 def main():
@@ -223,7 +244,8 @@ def main():
         run_mla(a.batch, a.context, bw, rate, a.sweep, a.smoke, interpret, a.heads,
                 a.grid if a.only == "mla" else None, a.kv)
     if a.only in (None, "mfa"):
-        run_mfa(a.batch, 4096 if not a.smoke else a.context, bw, a.smoke)
+        run_mfa(a.batch, 4096 if not a.smoke else a.context, bw, rate, a.sweep, a.smoke, interpret,
+                a.grid if a.only == "mfa" else None)
     return 0
 
 

@@ -191,3 +191,38 @@ def mla_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size: i
     from pallas_kernels.mla_decode import mla_decode_pallas
     return mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, block_size=block_size,
                              scale=float(scale), layer=layer, **c.params)
+
+
+# ------------------------------------------------------------------ MFA decode (Step3)
+def select_mfa(batch: int, heads: int, head_dim: int, groups: int, max_len: int, block_size: int, cache_dtype,
+               mode: str | None = None) -> Choice:
+    """Step3 MFA decode (all query heads against one K/V head) over the paged [k | v] cache: the
+    pages tile of ``mla_decode_pallas`` with values at column ``head_dim``, or the XLA gather path."""
+    use, forced = _want_pallas(mode)
+    if not use:
+        return Choice("xla", reason="mode or platform")
+    if groups != 1:
+        return Choice("xla", reason="the kernel reads one K/V head per row; grouped K/V heads use XLA")
+    if not forced:
+        # Not yet timed on a GPU (the MLA pages kernel it reuses was, at 16 heads x 512: 5.7x XLA);
+        # "auto" switches once scripts/bench_kernels.py --only mfa has run. "pallas" forces it.
+        return Choice("xla", reason="not yet timed on a GPU")
+    rocm = platform() == "rocm"
+    block_h = 16 if heads >= 16 or platform() != "cpu" else 1 << max(heads - 1, 0).bit_length()
+    programs = batch * -(-heads // block_h)
+    num_splits = max(1, min(max(1, max_len // 256), -(-num_compute_units() // max(programs, 1)), 16))
+    p = dict(tile="pages", block_h=block_h, block_t=block_size if rocm else 2 * block_size, num_splits=num_splits,
+             num_warps=4, num_stages=1 if rocm else 2)
+    return Choice("pallas", p, "forced")
+
+
+def mfa_attention(q, cache, block_tables, seq_lens, block_size: int, scale: float, groups: int,
+                  layer: int | None = None, mode: str | None = None):
+    """MFA decode through the selected kernel; None when the XLA path should run."""
+    B, H, D = q.shape
+    c = select_mfa(B, H, D, groups, block_tables.shape[1] * block_size, block_size, cache.dtype, mode)
+    if c.impl != "pallas":
+        return None
+    from pallas_kernels.mla_decode import mla_decode_pallas
+    return mla_decode_pallas(q, None, cache, block_tables, seq_lens, block_size=block_size, scale=float(scale),
+                             layer=layer, v_offset=D, **c.params)

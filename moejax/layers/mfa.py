@@ -26,11 +26,19 @@ from moejax.layers.norm import RMSNorm
 from moejax.layers.rope import apply_rope, rope_frequencies
 
 
-def mfa_decode_attention(q, cache_layer, block_tables, seq_lens, block_size: int, scale: float, num_kv_heads: int):
+def mfa_decode_attention(q, cache_layer, block_tables, seq_lens, block_size: int, scale: float, num_kv_heads: int,
+                         layer: int | None = None):
     """q [B, nh, D] (rotated), cache_layer [num_slots, 2*G*D] rows [k | v], block_tables [B, nb],
-    seq_lens [B] (>= 1) -> context [B, nh, D] float32.
+    seq_lens [B] (>= 1) -> context [B, nh, D] float32. With ``layer``, cache_layer is the whole
+    cache [L, num_slots, D'] (the Pallas kernel then reads that layer in place).
 
-    One gather of the sequence's rows, then one einsum for all heads of each KV group."""
+    XLA path: one gather of the sequence's rows, then one einsum for all heads of each KV group."""
+    from moejax.kernels.selection import mfa_attention  # Pallas kernel where selected
+    ctx = mfa_attention(q, cache_layer, block_tables, seq_lens, block_size, scale, num_kv_heads, layer)
+    if ctx is not None:
+        return ctx
+    if layer is not None:
+        cache_layer = cache_layer[layer]
     B, nh, D = q.shape
     G = num_kv_heads
     kv = cache_layer[gather_sequence_slots(block_tables, block_size)]  # [B, T, 2*G*D]: the only cache read
@@ -105,6 +113,6 @@ class MFA(nn.Module):
         c = self.cfg
         q = self._query(x, positions)  # [B, nh, D]
         cache = write_cache(cache, self.layer, slots, self._kv_row(x, positions))
-        ctx = mfa_decode_attention(q, cache[self.layer], block_tables, seq_lens, block_size, c.softmax_scale,
-                                   c.num_attention_groups)
+        ctx = mfa_decode_attention(q, cache, block_tables, seq_lens, block_size, c.softmax_scale,
+                                   c.num_attention_groups, layer=self.layer)
         return self.o_proj(ctx.astype(x.dtype).reshape(x.shape[0], -1)), cache
