@@ -37,18 +37,20 @@ from moejax.tiny.presets import preset, with_layers
 from moejax.tiny.random_model import random_model
 
 
-def step_floor(cfg, batch, ctx, itemsize=2, kv_itemsize=2):
+def step_floor(cfg, batch, ctx, itemsize=2, kv_itemsize=2, ranks=1):
     """Bytes and FLOPs of one decode step, from the model's own parameter shapes (any family).
 
     Bytes: every weight (at these batch sizes every expert is touched) plus the batch's KV
     cache. FLOPs: 2 per active weight per token (routed experts scaled by top-k / E; the
-    embedding is a lookup) plus attention, 2 x 2 x heads x cache row per cached token."""
+    embedding is a lookup) plus attention, 2 x 2 x heads x cache row per cached token.
+    With ``ranks`` > 1 (DP attention + EP experts over a mesh) the bytes are the node's: each
+    rank reads its own copy of the non-expert weights; divide by ranks x one card's rate."""
     from moejax.weights.hf_names import flatten, is_stacked_expert
     from moejax.weights.loader import abstract_params
     weights = active = 0
     for path, leaf in flatten(abstract_params(cfg, "bfloat16")).items():
         n = int(np.prod(leaf.shape))
-        weights += n
+        weights += n if is_stacked_expert(path) else ranks * n
         if is_stacked_expert(path):
             active += n * cfg.num_experts_per_tok // cfg.n_routed_experts
         elif path[0] != "embed_tokens":
@@ -190,11 +192,14 @@ def run_one(hf, parallel, kernels, a):
     from moejax.tiny.random_model import random_device_params
     if "params" not in _PARAMS:
         _PARAMS["params"] = random_device_params(ModelConfig.from_dict(hf), a.dtype)
+    from moejax.parallel.config import ParallelConfig
+    ranks = 1 if parallel == "none" else ParallelConfig.load(parallel).num_ranks
+    per_rank = -(-a.concurrency // ranks)  # --concurrency is over the node; sizes below are per rank
     m = random_model(hf, a.dtype, parallel=None if parallel == "none" else parallel, kernels=kernels,
                      params=_PARAMS["params"],
                      kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype],
-                     max_model_len=a.input_len + a.output_len + 16, max_num_seqs=a.concurrency,
-                     num_kv_blocks=a.concurrency * (-(-(a.input_len + a.output_len + 16) // 16)))
+                     max_model_len=a.input_len + a.output_len + 16, max_num_seqs=per_rank,
+                     num_kv_blocks=per_rank * (-(-(a.input_len + a.output_len + 16) // 16)))
     eng = m.engine
     rng = np.random.default_rng(0)
     seqs = [eng.add_request(rng.integers(2, m.config.vocab_size, size=a.input_len).tolist(),
@@ -267,11 +272,21 @@ def main(argv=None):
             peer, peer_note = peer_in_child(argv if argv is not None else sys.argv[1:])
     bw, rate = measure_copy_bandwidth(), measure_matmul_rate()
     ctx = a.input_len + a.warmup + a.steps // 2
-    nbytes, flops = step_floor(cfg, a.concurrency, ctx, kv_itemsize=1 if a.kv_dtype == "fp8" else 2)
+    kv_itemsize = 1 if a.kv_dtype == "fp8" else 2
+    nbytes, flops = step_floor(cfg, a.concurrency, ctx, kv_itemsize=kv_itemsize)
     floor = max(nbytes / bw, flops / rate)
     print(f"device: {jax.devices()[0].device_kind}; measured copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     print(f"step floors: memory {nbytes / bw * 1e3:.3f} ms ({nbytes / 1e9:.2f} GB), compute {flops / rate * 1e3:.3f} ms "
           f"({flops / 1e12:.2f} TFLOP)")
+
+    def floor_for(layout: str) -> float:
+        """One device's floor, or the node's over a mesh (each card measured like this one)."""
+        if layout == "none":
+            return floor
+        from moejax.parallel.config import ParallelConfig
+        n = ParallelConfig.load(layout).num_ranks
+        b, f = step_floor(cfg, a.concurrency, ctx, kv_itemsize=kv_itemsize, ranks=n)
+        return max(b / (n * bw), f / (n * rate))
     results = {"preset": a.preset, "layers": cfg.num_hidden_layers, "concurrency": a.concurrency,
                "input_len": a.input_len, "device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rate": rate,
                "floor_s": floor, "runs": {}}
@@ -283,7 +298,8 @@ def main(argv=None):
             med = statistics.median(t)
             base = base or med
             r = {"median_step_s": med, "p90_step_s": float(np.percentile(t, 90)), "tok_per_s": a.concurrency / med,
-                 "floor_fraction": floor / med, "vs_first": med / base, "steps": len(t)}
+                 "floor_s": floor_for(p), "floor_fraction": floor_for(p) / med, "vs_first": med / base,
+                 "steps": len(t)}
             results["runs_by_kernels"].setdefault(kern, {})[p] = r
             if kern == kernel_modes[0]:
                 results["runs"][p] = r
