@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-from tqdm.auto import tqdm
 
 from moejax.config import ModelConfig
+from moejax.weights.checked_tensors import CheckedTensors, np_dtype
 from moejax.weights.fp8 import dequantize_block_fp8
 from moejax.weights.hf_names import flatten, hf_to_param, is_stacked_expert, param_to_hf, unflatten
-from moejax.weights.safetensors_io import CheckpointReader
-
-_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
 def model_class(cfg):
@@ -46,33 +42,22 @@ def load_hf_params(directory: str, cfg: ModelConfig, dtype: str = "bfloat16", pr
         from moejax.weights.step3_loader import load_step3_params
         return load_step3_params(directory, cfg, dtype, progress)
     expected = flatten(abstract_params(cfg, dtype))
-    files = CheckpointReader(directory)
-    tensor = files.get
-
+    tensors = CheckedTensors(directory, cfg)
     out: dict[tuple[str, ...], np.ndarray] = {}
     experts_seen: dict[tuple[str, ...], set[int]] = {}
-    names = [n for n in files if not n.endswith("_scale_inv")]
-    scale_names = {n for n in files if n.endswith("_scale_inv")}
-    used_scales = set()
-    for name in tqdm(names, desc="Loading weights", unit="tensor", disable=not progress):
+    for name in tensors.names(progress):
         ref = hf_to_param(name)
         if ref is not None and ref.layer is not None and ref.layer >= cfg.num_hidden_layers:
             if ref.layer < cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
-                used_scales.add(name + "_scale_inv")
+                tensors.skip(name)
                 continue  # multi-token-prediction layers: not used for decoding
         if ref is None or ref.path not in expected:
             raise ValueError(f"checkpoint tensor {name!r} is not a parameter of this {cfg.model_type} model")
-        arr = tensor(name)
-        if arr.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
-            sname = name + "_scale_inv"
-            if sname not in files:
-                raise ValueError(f"checkpoint tensor {name!r} is float8 but {sname!r} is missing")
-            if cfg.fp8_block_size is None:
-                raise ValueError(f"checkpoint tensor {name!r} is float8 but config.json has no quantization_config")
-            arr = dequantize_block_fp8(arr, tensor(sname), cfg.fp8_block_size)
-            used_scales.add(sname)
+        arr, scale = tensors.get(name)
+        if scale is not None:
+            arr = dequantize_block_fp8(arr, scale, cfg.fp8_block_size)
         want = expected[ref.path]
-        np_dtype = _NP_DTYPES[str(want.dtype)] if str(want.dtype) in _NP_DTYPES else np.float32
+        dt = np_dtype(want)
         if is_stacked_expert(ref.path):
             per_expert = (want.shape[2], want.shape[1])  # HF [out, in]
             if tuple(arr.shape) != per_expert:
@@ -80,17 +65,15 @@ def load_hf_params(directory: str, cfg: ModelConfig, dtype: str = "bfloat16", pr
             if not 0 <= ref.expert < want.shape[0]:
                 raise ValueError(f"checkpoint tensor {name!r}: expert index {ref.expert} >= n_routed_experts")
             if ref.path not in out:
-                out[ref.path] = np.empty(want.shape, np_dtype)
+                out[ref.path] = np.empty(want.shape, dt)
                 experts_seen[ref.path] = set()
-            out[ref.path][ref.expert] = np.asarray(arr, np.float32).T.astype(np_dtype)
+            out[ref.path][ref.expert] = np.asarray(arr, np.float32).T.astype(dt)
             experts_seen[ref.path].add(ref.expert)
         else:
             if tuple(arr.shape) != tuple(want.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(want.shape)}")
-            out[ref.path] = np.asarray(arr).astype(np_dtype)
-    unused = sorted(scale_names - used_scales)
-    if unused:
-        raise ValueError(f"checkpoint tensor {unused[0]!r} scales a tensor that is not float8 or not present")
+            out[ref.path] = np.asarray(arr).astype(dt)
+    tensors.finish()
     for path, want in expected.items():
         if path not in out:
             raise ValueError(f"checkpoint is missing tensor {param_to_hf(path, 0 if is_stacked_expert(path) else None)!r}")

@@ -9,17 +9,12 @@ dequantised on load, including the stacked [E, out, in] experts (scales
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
-from tqdm.auto import tqdm
 
+from moejax.weights.checked_tensors import CheckedTensors, np_dtype
 from moejax.weights.fp8 import dequantize_block_fp8
 from moejax.weights.hf_names import flatten, unflatten
-from moejax.weights.safetensors_io import CheckpointReader
 from moejax.weights.step3_names import hf_to_param, is_vision_tensor, param_to_hf
-
-_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-_FP8 = (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
 
 
 def _dequant(name, weight, scale_inv, block):
@@ -33,17 +28,12 @@ def load_step3_params(directory: str, cfg, dtype: str = "bfloat16", progress: bo
     """Returns the parameter pytree as NumPy arrays (host memory)."""
     from moejax.weights.loader import abstract_params
     expected = flatten(abstract_params(cfg, dtype))
-    files = CheckpointReader(directory)
-    tensor = files.get
-
+    tensors = CheckedTensors(directory, cfg)
     out: dict[tuple[str, ...], np.ndarray] = {}
     source: dict[tuple[str, ...], str] = {}
-    names = [n for n in files if not n.endswith("_scale_inv")]
-    scale_names = {n for n in files if n.endswith("_scale_inv")}
-    used_scales = set()
-    for name in tqdm(names, desc="Loading weights", unit="tensor", disable=not progress):
+    for name in tensors.names(progress):
         if is_vision_tensor(name):
-            used_scales.add(name + "_scale_inv")
+            tensors.skip(name)
             continue  # vision tower / projector: only the text model is built
         ref = hf_to_param(name)
         if ref is None or ref.path not in expected:
@@ -51,29 +41,21 @@ def load_step3_params(directory: str, cfg, dtype: str = "bfloat16", progress: bo
         if ref.path in source:
             raise ValueError(f"checkpoint tensors {source[ref.path]!r} and {name!r} are the same parameter")
         source[ref.path] = name
-        arr = tensor(name)
-        fp8 = arr.dtype in _FP8
-        if fp8:
-            sname = name + "_scale_inv"
-            if sname not in files:
-                raise ValueError(f"checkpoint tensor {name!r} is float8 but {sname!r} is missing")
-            if cfg.fp8_block_size is None:
-                raise ValueError(f"checkpoint tensor {name!r} is float8 but config.json has no quantization_config")
-            scale = tensor(sname)
-            used_scales.add(sname)
+        arr, scale = tensors.get(name)
+        fp8 = scale is not None
         want = expected[ref.path]
-        np_dtype = _NP_DTYPES.get(str(want.dtype), np.float32)
+        dt = np_dtype(want)
         if ref.stacked:
             E, I_in, O = want.shape  # stored [E, in, out]; HF [E, out, in]
             if tuple(arr.shape) != (E, O, I_in):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, expected {(E, O, I_in)}")
             if fp8 and (scale.ndim != 3 or scale.shape[0] != E):
-                raise ValueError(f"checkpoint tensor {sname!r} has shape {tuple(scale.shape)}: expected one "
-                                 f"[rows, cols] block-scale grid per expert ({E} experts)")
-            buf = np.empty(want.shape, np_dtype)
+                raise ValueError(f"checkpoint tensor {name + '_scale_inv'!r} has shape {tuple(scale.shape)}: "
+                                 f"expected one [rows, cols] block-scale grid per expert ({E} experts)")
+            buf = np.empty(want.shape, dt)
             for e in range(E):  # one expert at a time: never the whole tensor in float32
                 w = _dequant(name, arr[e], scale[e], cfg.fp8_block_size) if fp8 else np.asarray(arr[e], np.float32)
-                buf[e] = w.T.astype(np_dtype)
+                buf[e] = w.T.astype(dt)
             out[ref.path] = buf
         else:
             if fp8:
@@ -82,10 +64,8 @@ def load_step3_params(directory: str, cfg, dtype: str = "bfloat16", progress: bo
                 arr = _dequant(name, arr, scale, cfg.fp8_block_size)
             if tuple(arr.shape) != tuple(want.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(want.shape)}")
-            out[ref.path] = np.asarray(arr).astype(np_dtype)
-    unused = sorted(scale_names - used_scales)
-    if unused:
-        raise ValueError(f"checkpoint tensor {unused[0]!r} scales a tensor that is not float8 or not present")
+            out[ref.path] = np.asarray(arr).astype(dt)
+    tensors.finish()
     for path in expected:
         if path not in out:
             raise ValueError(f"checkpoint is missing tensor {param_to_hf(path)!r}")
