@@ -39,6 +39,18 @@ from pallas_kernels.compat import compiler_params, interpret_mode, masked_load
 FP8 = jnp.float8_e4m3fn
 
 
+def _online_softmax(n_tiles, body, BH: int, C: int, o_ref, lse_ref):
+    """Runs ``body`` (m, l, acc) -> (m, l, acc) over the tiles; writes the normalised context and the
+    log-sum-exp (-inf where the split saw no token)."""
+    f32 = jnp.float32
+    # m starts at a large finite negative number (not -inf) so that exp(m - m_new) never sees inf - inf.
+    init = (jnp.full((BH,), -1e30, f32), jnp.zeros((BH,), f32), jnp.zeros((BH, C), f32))
+    m, l, acc = jax.lax.fori_loop(0, n_tiles, body, init)
+    has = l > 0
+    o_ref[...] = acc / jnp.where(has, l, 1.0)[:, None]
+    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+
+
 def _mla_split_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, *, layer, C, R, block_size,
                       nb, block_t, split_len, scale, fp8):
     b = pl.program_id(2)
@@ -83,12 +95,7 @@ def _mla_split_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref
         acc = acc * alpha[:, None] + jnp.dot(pv.astype(cdt), lat, preferred_element_type=f32)
         return m_new, l_new, acc
 
-    # m starts at a large finite negative number (not -inf) so that exp(m - m_new) never sees inf - inf.
-    init = (jnp.full((BH,), -1e30, f32), jnp.zeros((BH,), f32), jnp.zeros((BH, C), f32))
-    m, l, acc = jax.lax.fori_loop(0, n_tiles, body, init)
-    has = l > 0
-    o_ref[...] = acc / jnp.where(has, l, 1.0)[:, None]
-    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    _online_softmax(n_tiles, body, BH, C, o_ref, lse_ref)
 
 
 def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_pages, scale, fp8, v_off,
@@ -160,11 +167,7 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
             acc = acc + jnp.dot(pv.astype(cdt), val, preferred_element_type=f32)
         return m_new, l_new, acc
 
-    init = (jnp.full((BH,), -1e30, f32), jnp.zeros((BH,), f32), jnp.zeros((BH, C), f32))
-    m, l, acc = jax.lax.fori_loop(0, n_tiles, body, init)
-    has = l > 0
-    o_ref[...] = acc / jnp.where(has, l, 1.0)[:, None]
-    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    _online_softmax(n_tiles, body, BH, C, o_ref, lse_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "layer", "v_offset", "block_h", "block_t",

@@ -118,14 +118,9 @@ def cmd_check(a, n: int) -> int:
     return 1 if failures else 0
 
 
-def time_fn(fn, *args, iters=20):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+def time_fn(fn, *args):
+    from moejax.benchmark.roofline import time_call
+    return time_call(fn, *args, iters=20)
 
 
 def all_to_all_rate(mesh, n: int, nbytes_per_rank: int) -> float:
