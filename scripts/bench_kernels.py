@@ -1,14 +1,16 @@
-"""GPU microbenchmark: Pallas kernels vs the XLA path at DeepSeek-V3 decode shapes.
+"""GPU microbenchmark: Pallas kernels vs the XLA path at DeepSeek-V3 / V2-Lite / Step3 decode shapes.
 
-    python scripts/bench_kernels.py                 # MoE + MLA, selected block sizes
-    python scripts/bench_kernels.py --sweep         # also alternative block sizes
-    python scripts/bench_kernels.py --only moe --tokens 8 64 256
+    python scripts/bench_kernels.py                 # every kernel at the issue's shapes, selected block sizes
+    python scripts/bench_kernels.py --sweep         # also alternative block sizes (per kernel: --only, --grid)
+    python scripts/bench_kernels.py --only moe --tokens 8 64 256 --moe-shapes v3-ep8
     python scripts/bench_kernels.py --smoke         # tiny shapes in interpret mode (checks the script on CPU)
 
 Prints, per case: time of each path, the floor max(bytes / copy bandwidth, FLOPs / matmul rate)
 from bandwidth and matmul rate measured on this card first, achieved bandwidth, and ratios.
-MoE: one GPU's share of DeepSeek-V3 experts (32 experts, H 7168, I 2048), N tokens per expert.
-MLA: 128 heads, C 512, R 64, block 16, context 2000, batch 64..256, bf16 and FP8 cache.
+MoE: one GPU's share of DeepSeek-V3 experts (32 experts, H 7168, I 2048) and DeepSeek-V2-Lite's
+64 experts (H 2048, I 1408), 8 / 32 / 128 / 512 tokens per expert, against XLA's ragged_dot and a
+padded dense einsum. MLA: 128 and 16 heads, C 512, R 64, block 16, batch 64 and 256, contexts
+2048 and 8192, bf16 and FP8 cache. MFA (Step3): 64 heads x 256 against one K/V head, context 4096.
 """
 
 from __future__ import annotations
@@ -86,14 +88,18 @@ MLA_GRID = [
 ]
 
 
-def run_moe(tokens, bw, rate, sweep, smoke, interpret, grid=None):
-    E, H, I = (4, 64, 32) if smoke else (32, 7168, 2048)
+MOE_SHAPES = {"v3-ep8": (32, 7168, 2048),    # one EP8 rank's share of DeepSeek-V3: 32 of 256 experts
+              "v2-lite": (64, 2048, 1408)}   # DeepSeek-V2-Lite: all 64 experts (I not a power of two)
+
+
+def run_moe(tokens, bw, rate, sweep, smoke, interpret, grid=None, shape="v3-ep8"):
+    E, H, I = (4, 64, 32) if smoke else MOE_SHAPES[shape]
     k = jax.random.split(jax.random.key(0), 4)
     wg = (jax.random.normal(k[1], (E, H, I)) * 0.02).astype(BF16)
     wu = (jax.random.normal(k[2], (E, H, I)) * 0.02).astype(BF16)
     wd = (jax.random.normal(k[3], (E, I, H)) * 0.02).astype(BF16)
     wbytes = 3 * E * H * I * 2
-    print(f"\n== fused MoE: E={E} H={H} I={I} bf16 (weights {wbytes / 1e9:.2f} GB) ==")
+    print(f"\n== fused MoE ({shape}): E={E} H={H} I={I} bf16 (weights {wbytes / 1e9:.2f} GB) ==")
     print(f"{'tok/exp':>7} {'N':>6} {'floor us':>9} {'xla us':>9} {'dense us':>9} {'pallas us':>9} "
           f"{'xla TB/s':>8} {'pal TB/s':>8} {'xla/pal':>7} {'pal/floor':>9}  params")
     for t in tokens:
@@ -218,12 +224,13 @@ def run_mfa(batches, ctx, bw, rate, sweep, smoke, interpret, grid=None):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=("moe", "mla", "mfa"))
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256], help="tokens per expert")
-    ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
-    ap.add_argument("--context", type=int, default=2000)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128, 512], help="tokens per expert")
+    ap.add_argument("--moe-shapes", nargs="+", default=list(MOE_SHAPES), choices=list(MOE_SHAPES))
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--context", type=int, nargs="+", default=[2048, 8192], help="MLA contexts (MFA: 4096)")
     ap.add_argument("--sweep", action="store_true", help="also time alternative block sizes")
     ap.add_argument("--grid", type=json.loads, help="sweep grid for the --only kernel, JSON: {param: [values]}")
-    ap.add_argument("--heads", type=int, nargs="+", default=[128], help="MLA query heads (128: V3; 16: V2-Lite)")
+    ap.add_argument("--heads", type=int, nargs="+", default=[128, 16], help="MLA query heads (128: V3; 16: V2-Lite)")
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=("bf16", "fp8"), help="MLA cache dtypes")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: checks the script on CPU")
     a = ap.parse_args()
@@ -235,16 +242,18 @@ def main():
         return 0
     interpret = plat == "cpu"
     if a.smoke:
-        a.tokens, a.batch, a.context = [2, 5], [2], 40
+        a.tokens, a.batch, a.context, a.moe_shapes, a.heads = [2, 5], [2], [40], a.moe_shapes[:1], [16]
     bw, rate = measure_card(a.smoke)
     print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     if a.only in (None, "moe"):
-        run_moe(a.tokens, bw, rate, a.sweep, a.smoke, interpret, a.grid if a.only == "moe" else None)
+        for shape in a.moe_shapes:
+            run_moe(a.tokens, bw, rate, a.sweep, a.smoke, interpret, a.grid if a.only == "moe" else None, shape)
     if a.only in (None, "mla"):
-        run_mla(a.batch, a.context, bw, rate, a.sweep, a.smoke, interpret, a.heads,
-                a.grid if a.only == "mla" else None, a.kv)
+        for ctx in a.context:
+            run_mla(a.batch, ctx, bw, rate, a.sweep, a.smoke, interpret, a.heads, a.grid if a.only == "mla" else None,
+                    a.kv)
     if a.only in (None, "mfa"):
-        run_mfa(a.batch, 4096 if not a.smoke else a.context, bw, rate, a.sweep, a.smoke, interpret,
+        run_mfa(a.batch, 4096 if not a.smoke else a.context[0], bw, rate, a.sweep, a.smoke, interpret,
                 a.grid if a.only == "mfa" else None)
     return 0
 
