@@ -344,3 +344,16 @@ def test_engine_runs_with_fp8_cache_and_kernels(tiny_bf16):
         moejax.load(tiny_bf16, kernels="cuda", progress=False)
     with pytest.raises(ValueError):
         moejax.load(tiny_bf16, kv_cache_dtype="int8", progress=False)
+
+
+def test_bench_kernels_script_smoke():
+    """scripts/bench_kernels.py --smoke (tiny shapes, interpret mode) runs every kernel and prints a row each."""
+    import subprocess
+    import sys
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = subprocess.run([sys.executable, f"{root}/scripts/bench_kernels.py", "--smoke"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for header in ("fused MoE", "MLA decode", "Step3 MFA"):
+        assert header in out.stdout
+    assert "failed" not in out.stdout and out.stdout.count("selected") >= 4
