@@ -222,8 +222,35 @@ def run_one(hf, parallel, kernels, a):
     if not times:
         raise SystemExit(f"no decode step was timed: --output-len {a.output_len} leaves no steps after "
                          f"{a.warmup} warm-up steps")
+    memory = decode_memory(eng) if a.memory and not any(s.is_finished for s in seqs) else None
     del m, eng
-    return times
+    return times, memory
+
+
+def decode_memory(eng) -> dict:
+    """XLA's memory analysis of the compiled decode step (one more step, its arguments captured).
+    Temporary bytes of the order of the cache's size mean the step copies the cache (it is
+    donated and written in place otherwise). Costs one more compilation."""
+    r = eng.runner
+    real, got = r._decode, {}
+
+    def capture(*args):
+        got["args"] = args
+        return real(*args)
+
+    r._decode = capture
+    try:
+        eng.step()
+    finally:
+        r._decode = real
+    ma = real.lower(*got["args"]).compile().memory_analysis()
+    out = {"cache_bytes": int(r.cache.nbytes), "temp_bytes": int(ma.temp_size_in_bytes),
+           "argument_bytes": int(ma.argument_size_in_bytes), "output_bytes": int(ma.output_size_in_bytes),
+           "alias_bytes": int(ma.alias_size_in_bytes)}
+    mb = {k: f"{v / 1e6:.1f} MB" for k, v in out.items()}
+    print(f"decode step memory: cache {mb['cache_bytes']}, temporaries {mb['temp_bytes']}, "
+          f"arguments {mb['argument_bytes']} (aliased to outputs {mb['alias_bytes']})")
+    return out
 
 
 def main(argv=None):
@@ -242,6 +269,8 @@ def main(argv=None):
     ap.add_argument("--fill", choices=["prefill", "random"], default="prefill",
                     help="how the batch's cache is filled before the timed steps (see above)")
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the --peer child process
+    ap.add_argument("--memory", action="store_true",
+                    help="also report XLA's memory analysis of the decode step (one more step and compile)")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--components", action="store_true", help="also time attention and MoE alone at the step's shapes")
     ap.add_argument("--peer", action="store_true", help="also run HF transformers (PyTorch) at the same batch and lengths")
@@ -294,12 +323,12 @@ def main(argv=None):
     results["runs_by_kernels"] = {}
     for kern in kernel_modes:
         for p in a.parallel.split(","):
-            t = run_one(hf, p, kern, a)
+            t, memory = run_one(hf, p, kern, a)
             med = statistics.median(t)
             base = base or med
             r = {"median_step_s": med, "p90_step_s": float(np.percentile(t, 90)), "tok_per_s": a.concurrency / med,
                  "floor_s": floor_for(p), "floor_fraction": floor_for(p) / med, "vs_first": med / base,
-                 "steps": len(t)}
+                 "steps": len(t), **({"memory": memory} if memory else {})}
             results["runs_by_kernels"].setdefault(kern, {})[p] = r
             if kern == kernel_modes[0]:
                 results["runs"][p] = r

@@ -82,9 +82,13 @@ def test_offline_decode_sweep_and_components(tmp_path):
     import bench_decode
     out = tmp_path / "components.json"
     bench_decode.main(["--preset", "v3-tiny", "--concurrency", "2", "--input-len", "12", "--output-len", "10",
-                       "--steps", "2", "--components", "--json", str(out)])
-    comp = json.load(open(out))["components_s"]
+                       "--steps", "2", "--components", "--memory", "--json", str(out)])
+    res = json.load(open(out))
+    comp = res["components_s"]
     assert set(comp) == {"attention", "moe", "rest"} and comp["attention"] > 0 and comp["moe"] > 0
+    mem = res["runs"]["none"]["memory"]
+    assert mem["cache_bytes"] > 0 and mem["alias_bytes"] >= mem["cache_bytes"]  # the cache is donated
+    assert mem["temp_bytes"] > 0
 
 
 def test_random_fill_leaves_the_engine_as_a_prefill_would(tmp_path):
