@@ -61,13 +61,20 @@ def step_floor(cfg, batch, ctx, itemsize=2, kv_itemsize=2, ranks=1):
     return itemsize * weights + kv_itemsize * kv, flops
 
 
-def time_components(cfg, a, ctx):
-    """Per-step time of attention and routed experts, each timed alone at the step's shapes
-    (one layer's op x the number of such layers); "rest" is the step minus both."""
+def time_components(cfg, a, ctx, layout: str = "none"):
+    """Per-step time of attention, routed experts and (over a mesh) the dispatch/combine exchange,
+    each timed alone at one rank's shapes (one layer's op x the number of such layers); "rest" is
+    the step minus all of them. Over a mesh, a rank attends its B/N sequences and its E/N experts
+    compute B/N x top-k rows (uniform routing)."""
     import jax
     from moejax.kernels.selection import kernel_mode
     key = jax.random.key(1)
-    B, L = a.concurrency, cfg.num_hidden_layers
+    ranks = 1
+    if layout != "none":
+        from moejax.parallel.config import ParallelConfig
+        pc = ParallelConfig.load(layout)
+        ranks = pc.num_ranks
+    B, L = -(-a.concurrency // ranks), cfg.num_hidden_layers
     n_moe = sum(cfg.is_moe_layer(i) for i in range(L))
     bs = 16
     nb = -(-ctx // bs)
@@ -92,11 +99,17 @@ def time_components(cfg, a, ctx):
         if n_moe:
             from moejax.layers.experts import grouped_expert_mlp
             E, H, I, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+            El = E // ranks
             w = lambda s: (0.02 * jax.random.normal(key, s)).astype(jnp.bfloat16)  # noqa: E731
             x = w((B * k, H))
-            sizes = jnp.full((E,), B * k // E, jnp.int32).at[0].add(B * k - E * (B * k // E))  # uniform routing
+            sizes = jnp.full((El,), B * k // El, jnp.int32).at[0].add(B * k - El * (B * k // El))  # uniform
             fn = jax.jit(grouped_expert_mlp)
-            out["moe"] = n_moe * time_call(fn, x, sizes, w((E, H, I)), w((E, H, I)), w((E, I, H)))
+            out["moe"] = n_moe * time_call(fn, x, sizes, w((El, H, I)), w((El, H, I)), w((El, I, H)))
+            if ranks > 1:
+                from moejax.benchmark.ep import time_dispatch
+                from moejax.parallel.sharding import make_mesh
+                t, _ = time_dispatch(make_mesh(ranks), pc.moe_backend, B, H, E, k)
+                out["dispatch_combine"] = n_moe * t
     return out
 
 
@@ -337,7 +350,7 @@ def main(argv=None):
             sys.stdout.flush()
     a.kernels = kernel_modes[0]  # components use the first mode
     if a.components:
-        comp = time_components(cfg, a, ctx)
+        comp = time_components(cfg, a, ctx, a.parallel.split(",")[0])
         step = results["runs"][a.parallel.split(",")[0]]["median_step_s"]
         comp["rest"] = max(step - sum(comp.values()), 0.0)
         results["components_s"] = comp

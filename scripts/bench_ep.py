@@ -25,7 +25,6 @@ placement and after one rebalance: per-rank (token, expert) pairs and median ste
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -38,8 +37,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moejax.parallel.dispatch import BACKENDS, dispatch_fn  # noqa: E402
-from moejax.parallel.sharding import AXIS, make_mesh  # noqa: E402
+from moejax.parallel.dispatch import BACKENDS  # noqa: E402
+from moejax.parallel.sharding import make_mesh  # noqa: E402
 from moejax.tiny.presets import preset  # noqa: E402
 
 
@@ -118,60 +117,19 @@ def cmd_check(a, n: int) -> int:
     return 1 if failures else 0
 
 
-def time_fn(fn, *args):
-    from moejax.benchmark.roofline import time_call
-    return time_call(fn, *args, iters=20)
-
-
-def all_to_all_rate(mesh, n: int, nbytes_per_rank: int) -> float:
-    """Bytes one rank sends to the others per second, measured with a plain all_to_all."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    rows = max(n, nbytes_per_rank // 2 // 1024 // n * n)
-    x = jax.device_put(jax.random.normal(jax.random.key(0), (n * rows, 1024), jnp.bfloat16),
-                       NamedSharding(mesh, P(AXIS)))
-    f = jax.jit(jax.shard_map(lambda x: jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True), mesh=mesh,
-                              in_specs=P(AXIS), out_specs=P(AXIS)))
-    t = time_fn(f, x)
-    return rows * 1024 * 2 * (n - 1) / n / t
-
-
 def cmd_dispatch(a, n: int) -> int:
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from moejax.benchmark.ep import all_to_all_rate, time_dispatch
     mesh = make_mesh(n)
-    H, E, k, I = (64, 4 * n, 4, 16) if a.smoke else (7168, 256, 8, 16)
-    E_loc = E // n
+    H, E, k = (64, 4 * n, 4) if a.smoke else (7168, 256, 8)
     print(f"ranks {n}, hidden {H}, {E} experts top-{k}, bf16 activations; per MoE layer, dispatch + combine")
     print(f"{'tokens/rank':>11} {'backend':>10} {'time us':>9} {'bytes/rank MB':>13} {'GB/s/rank':>10} "
           f"{'a2a probe GB/s':>14} {'of probe':>8}")
     for T in a.tokens:
-        key = jax.random.split(jax.random.key(T), 6)
-        shard = NamedSharding(mesh, P(AXIS))
-        x = jax.device_put(jax.random.normal(key[0], (n * T, H), jnp.bfloat16), shard)
-        idx = jax.device_put(jnp.argsort(jax.random.uniform(key[1], (n * T, E)), axis=1)[:, :k].astype(jnp.int32), shard)
-        w = jax.device_put(jax.nn.softmax(jax.random.normal(key[2], (n * T, k)), axis=-1), shard)
-        valid = jax.device_put(jnp.ones((n * T,), bool), shard)
-        slots, replicas = jnp.arange(E, dtype=jnp.int32)[:, None], jnp.ones((E,), jnp.int32)
-        wg = jax.device_put((0.02 * jax.random.normal(key[3], (E, H, I))).astype(jnp.bfloat16), shard)
-        wu = jax.device_put((0.02 * jax.random.normal(key[4], (E, H, I))).astype(jnp.bfloat16), shard)
-        wd = jax.device_put((0.02 * jax.random.normal(key[5], (E, I, H))).astype(jnp.bfloat16), shard)
-        # Rows each rank sends off-device: a2a ships [ranks, T, H] buffers (static worst case) both ways;
-        # ragged ships the (token, rank) pairs that exist; replicated all-gathers x and reduce-scatters
-        # float32 partial sums.
-        dest = np.asarray(idx).reshape(n, T, k) // E_loc
-        pairs = np.mean([sum(len(set(dest[r, t]) - {r}) for t in range(T)) for r in range(n)])
-        moved = {"a2a": 2 * (n - 1) * T * H * 2, "ragged": 2 * pairs * H * 2,
-                 "replicated": (n - 1) * T * H * 2 + (n - 1) * T * H * 4}
-        probe = all_to_all_rate(mesh, n, moved["a2a"] // 2)
+        probe = all_to_all_rate(mesh, (n - 1) * T * H * 2)
         for backend in backends():
-            fn = dispatch_fn(backend)
-            body = functools.partial(fn, axis=AXIS, n_ranks=n)
-            f = jax.jit(jax.shard_map(lambda *args, body=body: body(*args)[0], mesh=mesh,
-                                      in_specs=(P(AXIS),) * 4 + (P(), P()) + (P(AXIS),) * 3, out_specs=P(AXIS),
-                                      check_vma=False))
-            t = time_fn(f, x, idx, w, valid, slots, replicas, wg, wu, wd)
-            rate = moved[backend] / t
-            print(f"{T:>11} {backend:>10} {t * 1e6:9.1f} {moved[backend] / 1e6:13.2f} {rate / 1e9:10.1f} "
-                  f"{probe / 1e9:14.1f} {rate / probe:8.2f}", flush=True)
+            t, moved = time_dispatch(mesh, backend, T, H, E, k, seed=T)
+            print(f"{T:>11} {backend:>10} {t * 1e6:9.1f} {moved / 1e6:13.2f} {moved / t / 1e9:10.1f} "
+                  f"{probe / 1e9:14.1f} {moved / t / probe:8.2f}", flush=True)
     return 0
 
 

@@ -114,7 +114,7 @@ def test_bad_parallel_configs(checkpoints, tmp_path):
         _load(checkpoints["uniform"], str(p))
 
 
-def test_multi_device_script_runs_on_host_devices(capsys):
+def test_multi_device_script_runs_on_host_devices(capsys, tmp_path):
     """scripts/bench_ep.py (the multi-GPU checks) at smoke shapes on the 8 host devices: dispatch
     timing for each CPU backend, and balancing evens out the per-rank load of a skewed router."""
     import re
@@ -127,3 +127,12 @@ def test_multi_device_script_runs_on_host_devices(capsys):
     assert bench_ep.main(["eplb", "--smoke", "--batch", "64"]) == 0
     ratios = [float(x) for x in re.findall(r"max/mean ([0-9.]+)", capsys.readouterr().out)]
     assert len(ratios) == 2 and ratios[1] < ratios[0]
+    # the decode benchmark over the mesh: per-rank sizes, the node's floor, the exchange as a component
+    import json
+    import bench_decode
+    out = tmp_path / "dp8.json"
+    bench_decode.main(["--preset", "v3-tiny", "--concurrency", "16", "--input-len", "12", "--output-len", "10",
+                       "--steps", "2", "--parallel", "dp8-ep8", "--fill", "random", "--components", "--json", str(out)])
+    res = json.load(open(out))
+    assert res["runs"]["dp8-ep8"]["tok_per_s"] > 0 and res["runs"]["dp8-ep8"]["floor_s"] < res["floor_s"]
+    assert res["components_s"]["dispatch_combine"] > 0
