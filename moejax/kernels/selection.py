@@ -164,21 +164,24 @@ def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, blo
         return Choice("xla", reason="mode or platform")
     if not forced and not (_pow2(latent) and _pow2(rope) and latent >= 16 and rope >= 16 and heads >= 1):
         return Choice("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
-    rocm = platform() == "rocm"
-    # Triton dots need M >= 16; the interpreter (CPU) takes any head block.
-    block_h = 16 if heads >= 16 or platform() != "cpu" else 1 << max(heads - 1, 0).bit_length()
-    # H200 sweep (BENCHMARKS.md, benchmarks/mla_sweep_2026-12-02c.txt): whole-page tiles with
-    # masked loads; 16-head blocks (larger ones spill the [heads, 512] f32 accumulator);
-    # one page per step when many head blocks share each page through L2, two otherwise.
-    block_t = block_size if heads >= 64 or rocm else 2 * block_size
-    head_blocks = -(-heads // block_h)
-    programs = batch * head_blocks
-    target = num_compute_units()
-    max_splits = max(1, max_len // 256)  # a split should cover >= 256 tokens
-    num_splits = max(1, min(max_splits, -(-target // max(programs, 1)), 16))
-    p = dict(tile="pages", block_h=block_h, block_t=block_t, num_splits=num_splits, num_warps=4,
-             num_stages=1 if rocm else 2)
+    # H200 sweep (BENCHMARKS.md, benchmarks/mla_sweep_2026-12-02c.txt): one page per step when many
+    # head blocks share each page through L2, two otherwise.
+    p = _paged_decode_params(batch, heads, max_len, block_size, pages_per_step=1 if heads >= 64 else 2)
     return Choice("pallas", p, "forced" if forced else "gpu")
+
+
+def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, pages_per_step: int) -> dict:
+    """Tiling of the paged decode kernel (``mla_decode_pallas``, tile="pages"), for MLA and MFA alike:
+    whole-page tiles with masked loads, 16-head blocks (larger ones spill the [heads, 512] f32
+    accumulator; Triton dots need M >= 16, the interpreter on CPU takes any), one page per step on
+    ROCm, and the context split until the programs fill the GPU."""
+    rocm = platform() == "rocm"
+    block_h = 16 if heads >= 16 or platform() != "cpu" else 1 << max(heads - 1, 0).bit_length()
+    programs = batch * -(-heads // block_h)
+    max_splits = max(1, max_len // 256)  # a split should cover >= 256 tokens
+    num_splits = max(1, min(max_splits, -(-num_compute_units() // max(programs, 1)), 16))
+    return dict(tile="pages", block_h=block_h, block_t=(1 if rocm else pages_per_step) * block_size,
+                num_splits=num_splits, num_warps=4, num_stages=1 if rocm else 2)
 
 
 def mla_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size: int, scale: float,
@@ -207,13 +210,7 @@ def select_mfa(batch: int, heads: int, head_dim: int, groups: int, max_len: int,
         # Not yet timed on a GPU (the MLA pages kernel it reuses was, at 16 heads x 512: 5.7x XLA);
         # "auto" switches once scripts/bench_kernels.py --only mfa has run. "pallas" forces it.
         return Choice("xla", reason="not yet timed on a GPU")
-    rocm = platform() == "rocm"
-    block_h = 16 if heads >= 16 or platform() != "cpu" else 1 << max(heads - 1, 0).bit_length()
-    programs = batch * -(-heads // block_h)
-    num_splits = max(1, min(max(1, max_len // 256), -(-num_compute_units() // max(programs, 1)), 16))
-    p = dict(tile="pages", block_h=block_h, block_t=block_size if rocm else 2 * block_size, num_splits=num_splits,
-             num_warps=4, num_stages=1 if rocm else 2)
-    return Choice("pallas", p, "forced")
+    return Choice("pallas", _paged_decode_params(batch, heads, max_len, block_size, pages_per_step=2), "forced")
 
 
 def mfa_attention(q, cache, block_tables, seq_lens, block_size: int, scale: float, groups: int,
