@@ -89,7 +89,8 @@ MLA_GRID = [
 
 
 MOE_SHAPES = {"v3-ep8": (32, 7168, 2048),    # one EP8 rank's share of DeepSeek-V3: 32 of 256 experts
-              "v2-lite": (64, 2048, 1408)}   # DeepSeek-V2-Lite: all 64 experts (I not a power of two)
+              "v2-lite": (64, 2048, 1408),   # DeepSeek-V2-Lite: all 64 experts (I not a power of two)
+              "step3-ep8": (6, 7168, 5120)}  # one EP8 rank's share of Step3: 6 of 48 experts
 
 
 def run_moe(tokens, bw, rate, sweep, smoke, interpret, grid=None, shape="v3-ep8"):

@@ -177,10 +177,18 @@ def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, 
     assert rel_err(forced, ref) < 1e-2 and rel_err(ref, exact) < 1e-2
 
 
-def test_mfa_selection():
+def test_mfa_selection(monkeypatch):
+    from moejax.kernels import selection
     from moejax.kernels.selection import select_mfa
     with kernel_mode("auto"):
-        assert select_mfa(32, 64, 256, 1, 4096, 16, BF16).impl == "xla"
+        assert select_mfa(32, 64, 256, 1, 4096, 16, BF16).impl == "xla"  # CPU
+        for gpu in ("cuda", "rocm"):  # a GPU: the pages kernel (timed faster than XLA on the H200)
+            monkeypatch.setattr(selection, "platform", lambda gpu=gpu: gpu)
+            c = select_mfa(32, 64, 256, 1, 4096, 16, BF16)
+            assert c.impl == "pallas" and c.reason == "gpu" and c.params["tile"] == "pages"
+            assert c.params["num_stages"] == (1 if gpu == "rocm" else 2)
+            assert select_mfa(32, 64, 96, 1, 4096, 16, BF16).impl == "xla"  # head_dim not a power of two
+        monkeypatch.undo()
     with kernel_mode("pallas"):
         c = select_mfa(32, 64, 256, 1, 4096, 16, BF16)
         assert c.impl == "pallas" and c.params["tile"] == "pages"

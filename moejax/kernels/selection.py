@@ -206,11 +206,12 @@ def select_mfa(batch: int, heads: int, head_dim: int, groups: int, max_len: int,
         return Choice("xla", reason="mode or platform")
     if groups != 1:
         return Choice("xla", reason="the kernel reads one K/V head per row; grouped K/V heads use XLA")
-    if not forced:
-        # Not yet timed on a GPU (the MLA pages kernel it reuses was, at 16 heads x 512: 5.7x XLA);
-        # "auto" switches once scripts/bench_kernels.py --only mfa has run. "pallas" forces it.
-        return Choice("xla", reason="not yet timed on a GPU")
-    return Choice("pallas", _paged_decode_params(batch, heads, max_len, block_size, pages_per_step=2), "forced")
+    if not forced and not (_pow2(head_dim) and head_dim >= 16):
+        return Choice("xla", reason="head_dim not a power of two >= 16 (Triton blocks)")
+    # H200, Step3 shapes (64 heads x 256, context 4096; BENCHMARKS.md, benchmarks/2026-12-03/mfa_sweep.txt):
+    # 1.10-1.53x the XLA path at batch 32-256 with two pages a step.
+    p = _paged_decode_params(batch, heads, max_len, block_size, pages_per_step=2)
+    return Choice("pallas", p, "forced" if forced else "gpu")
 
 
 def mfa_attention(q, cache, block_tables, seq_lens, block_size: int, scale: float, groups: int,
