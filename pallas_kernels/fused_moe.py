@@ -38,6 +38,13 @@ from jax.experimental import pallas as pl
 from pallas_kernels.compat import compiler_params, interpret_mode
 
 
+def _group_of(ends, idx):
+    """Index of the group (cumulative ends ``ends``) holding each of ``idx``; len(ends) past the last.
+    compare_all, not searchsorted's default binary-search loop: an XLA:GPU while loop syncs with the
+    host on every iteration; E x len(idx) comparisons cost next to nothing."""
+    return jnp.searchsorted(ends, idx, side="right", method="compare_all").astype(jnp.int32)
+
+
 def moe_align_block_size(group_sizes, num_rows: int, block_m: int):
     """Pads each expert's group of sorted rows to a multiple of ``block_m``.
 
@@ -54,10 +61,7 @@ def moe_align_block_size(group_sizes, num_rows: int, block_m: int):
     tile_start = tile_end - tiles
     row_end = jnp.cumsum(gs)
     row_start = row_end - gs
-    # compare_all, not the default binary-search loop: an XLA:GPU while loop syncs with the host
-    # on every iteration; E x T comparisons cost next to nothing.
-    eid = jnp.searchsorted(tile_end, jnp.arange(T, dtype=jnp.int32), side="right", method="compare_all")
-    eid = eid.astype(jnp.int32)
+    eid = _group_of(tile_end, jnp.arange(T, dtype=jnp.int32))
     tile_expert = jnp.where(eid < E, eid, -1)
     r = jnp.arange(T * block_m, dtype=jnp.int32)
     e_r = jnp.minimum(eid[r // block_m], E - 1)
@@ -65,7 +69,7 @@ def moe_align_block_size(group_sizes, num_rows: int, block_m: int):
     ok = (eid[r // block_m] < E) & (local < gs[e_r])
     row_src = jnp.where(ok, row_start[e_r] + local, 0).astype(jnp.int32)
     i = jnp.arange(num_rows, dtype=jnp.int32)
-    e_i = jnp.searchsorted(row_end, i, side="right", method="compare_all").astype(jnp.int32)
+    e_i = _group_of(row_end, i)
     out_valid = e_i < E
     e_i = jnp.minimum(e_i, E - 1)
     out_pos = jnp.where(out_valid, tile_start[e_i] * block_m + i - row_start[e_i], 0).astype(jnp.int32)

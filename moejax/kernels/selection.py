@@ -103,8 +103,9 @@ def _want_pallas(mode: str | None) -> tuple[bool, bool]:
     return platform() != "cpu", False
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+def _triton_dim(n: int) -> bool:
+    """A dim the decode kernels take as one Triton block: a power of two, at least 16 (dot minimum)."""
+    return n >= 16 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +163,7 @@ def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, blo
     use, forced = _want_pallas(mode)
     if not use:
         return Choice("xla", reason="mode or platform")
-    if not forced and not (_pow2(latent) and _pow2(rope) and latent >= 16 and rope >= 16 and heads >= 1):
+    if not forced and not (_triton_dim(latent) and _triton_dim(rope) and heads >= 1):
         return Choice("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
     # H200 sweep (BENCHMARKS.md, benchmarks/mla_sweep_2026-12-02c.txt): one page per step when many
     # head blocks share each page through L2, two otherwise.
@@ -206,7 +207,7 @@ def select_mfa(batch: int, heads: int, head_dim: int, groups: int, max_len: int,
         return Choice("xla", reason="mode or platform")
     if groups != 1:
         return Choice("xla", reason="the kernel reads one K/V head per row; grouped K/V heads use XLA")
-    if not forced and not (_pow2(head_dim) and head_dim >= 16):
+    if not forced and not _triton_dim(head_dim):
         return Choice("xla", reason="head_dim not a power of two >= 16 (Triton blocks)")
     # H200, Step3 shapes (64 heads x 256, context 4096; BENCHMARKS.md, benchmarks/2026-12-03/mfa_sweep.txt):
     # 1.10-1.53x the XLA path at batch 32-256 with two pages a step.
