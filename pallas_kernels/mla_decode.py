@@ -51,8 +51,28 @@ def _online_softmax(n_tiles, body, BH: int, C: int, o_ref, lse_ref):
     lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
 
 
-def _mla_split_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, *, layer, C, R, block_size,
-                      nb, block_t, split_len, scale, fp8):
+def _load_rows(cache_ref, layer: int, rows, start: int, width: int, valid, fp8: bool, cdt, interpret: bool):
+    """Cache rows ``rows`` (a slice or a vector of slots), columns [start, start + width), zero where
+    ``valid`` [rows] is False, in the compute dtype."""
+    # Select after the load for FP8 (Triton cannot fill FP8 with a zero "other") and for gathered
+    # rows in the interpreter (it has no masked gather).
+    if fp8 or (interpret and not isinstance(rows, pl.Slice)):
+        x = cache_ref[layer, rows, pl.ds(start, width)].astype(cdt)
+        return jnp.where(valid[:, None], x, jnp.zeros((), cdt))
+    # Masked loads (zero fill) rather than a select after the load: the load then feeds the dots
+    # directly, so Triton stages it asynchronously through shared memory instead of registers.
+    lyr = jnp.int32(layer)  # an array index: the interpreter's masked load needs shapes
+    return masked_load(cache_ref.at[lyr, rows, pl.ds(start, width)], valid[:, None]).astype(cdt)
+
+
+def _mla_split_kernel(*refs, layer, C, R, block_size, nb, block_t, split_len, scale, fp8, v_off, scale_col,
+                      interpret):
+    """Per-token gather tile: ``block_t`` token rows (slots through the block table, across pages) in
+    one dot each for the scores and the values. Columns as in ``_mla_pages_kernel``."""
+    if R:
+        ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref = refs
+    else:
+        ql_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref = refs
     b = pl.program_id(2)
     s = pl.program_id(1)
     f32 = jnp.float32
@@ -61,7 +81,7 @@ def _mla_split_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref
     n_tok = jnp.clip(seq_len - start, 0, split_len)
     n_tiles = (n_tok + block_t - 1) // block_t
     ql = ql_ref[...]  # [BH, C]
-    qr = qr_ref[...]  # [BH, R]
+    qr = qr_ref[...] if R else None  # [BH, R]
     cdt = ql.dtype
     BH = ql.shape[0]
     offs = jnp.arange(block_t, dtype=jnp.int32)
@@ -73,16 +93,15 @@ def _mla_split_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref
         blk = jnp.minimum(t // block_size, nb - 1)
         page = bt_ref[b, blk]
         slot = jnp.where(valid, page * block_size + t % block_size, 0)
-        lat = cache_ref[layer, slot, pl.ds(0, C)]  # [T, C] gathered rows
-        rop = cache_ref[layer, slot, pl.ds(C, R)]  # [T, R]
+        key = _load_rows(cache_ref, layer, slot, 0, C, valid, fp8, cdt, interpret)  # [T, C] gathered rows
+        sc = jax.lax.dot_general(ql, key, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+        if R:
+            rop = _load_rows(cache_ref, layer, slot, C, R, valid, fp8, cdt, interpret)  # [T, R]
+            sc = sc + jax.lax.dot_general(qr, rop, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+        val = key if v_off is None else _load_rows(cache_ref, layer, slot, v_off, C, valid, fp8, cdt, interpret)
         if fp8:
-            byte = jax.lax.bitcast_convert_type(cache_ref[layer, slot, C + R], jnp.uint8)
+            byte = jax.lax.bitcast_convert_type(cache_ref[layer, slot, scale_col], jnp.uint8)
             row_scale = jnp.exp2(byte.astype(f32) - 127.0)  # [T]
-        lat = jnp.where(valid[:, None], lat.astype(cdt), jnp.zeros((), cdt))
-        rop = jnp.where(valid[:, None], rop.astype(cdt), jnp.zeros((), cdt))
-        sc = jax.lax.dot_general(ql, lat, (((1,), (1,)), ((), ())), preferred_element_type=f32)
-        sc = sc + jax.lax.dot_general(qr, rop, (((1,), (1,)), ((), ())), preferred_element_type=f32)
-        if fp8:
             sc = sc * (row_scale * scale)[None, :]
         else:
             sc = sc * scale
@@ -92,26 +111,36 @@ def _mla_split_kernel(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref
         p = jnp.exp(sc - m_new[:, None])
         l_new = l * alpha + jnp.sum(p, axis=1)
         pv = p * row_scale[None, :] if fp8 else p
-        acc = acc * alpha[:, None] + jnp.dot(pv.astype(cdt), lat, preferred_element_type=f32)
+        acc = acc * alpha[:, None] + jnp.dot(pv.astype(cdt), val, preferred_element_type=f32)
         return m_new, l_new, acc
 
     _online_softmax(n_tiles, body, BH, C, o_ref, lse_ref)
 
 
 def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_pages, scale, fp8, v_off,
-                      scale_col):
+                      scale_col, preload, value_splits, interpret):
     """Like ``_mla_split_kernel`` but a tile is ``pages_per_tile`` whole cache pages, each read as one
     contiguous [block_size, D] slab (a scalar page id, then a plain strided load: no per-token gather).
 
     Scores use cache columns [0, C) (plus [C, C+R) against q_rope when R > 0). Values are the same
     columns [0, C) (MLA: V is the latent) or, with ``v_off``, columns [v_off, v_off + C) (a plain
-    K/V row such as Step3's MFA [k | v]). FP8 rows keep their scale byte at column ``scale_col``."""
+    K/V row such as Step3's MFA [k | v]). FP8 rows keep their scale byte at column ``scale_col``.
+
+    ``preload``: the split's page ids are read once, as one vector, before the loop, and each step
+    picks its ids from registers. Otherwise each step loads its page ids from the block table first,
+    so the page load's address waits on another memory load inside the loop.
+
+    ``value_splits`` > 1: program axis 0 also splits the value/output columns; each program keeps a
+    [BH, C / value_splits] accumulator (every program still computes the full scores), so bigger
+    head blocks fit in registers at the price of recomputed scores."""
     if R:
         ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref = refs
     else:
         ql_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref = refs
     b = pl.program_id(2)
     s = pl.program_id(1)
+    VC = C // value_splits
+    v_start = (v_off or 0) + (pl.program_id(0) % value_splits) * VC  # this program's value columns
     f32 = jnp.float32
     seq_len = len_ref[b]
     page0 = s * split_pages
@@ -122,15 +151,18 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
     cdt = ql.dtype
     BH = ql.shape[0]
     offs = jnp.arange(block_size, dtype=jnp.int32)
-    lyr = jnp.int32(layer)  # an array index: the interpreter's masked load needs shapes
+    if preload:
+        n_ids = 1 << max(split_pages - 1, 0).bit_length()  # a power of two (Triton tensor)
+        id_pos = jnp.arange(n_ids, dtype=jnp.int32)
+        split_ids = bt_ref[b, jnp.minimum(page0 + id_pos, nb - 1)]  # [n_ids], one load
+
+    def page_id(p_idx):
+        if preload:  # a select-and-sum picks one id out of registers (no memory access)
+            return jnp.sum(jnp.where(id_pos == p_idx - page0, split_ids, 0))
+        return bt_ref[b, jnp.minimum(p_idx, nb - 1)]
 
     def load(rows, start, width, valid):
-        if fp8:  # (Triton cannot fill FP8 with a zero "other": select after the cast instead)
-            x = cache_ref[layer, rows, pl.ds(start, width)].astype(cdt)
-            return jnp.where(valid[:, None], x, jnp.zeros((), cdt))
-        # Masked loads (zero fill) rather than a select after the load: the load then feeds the
-        # dots directly, so Triton can stage it asynchronously into shared memory.
-        return masked_load(cache_ref.at[lyr, rows, pl.ds(start, width)], valid[:, None]).astype(cdt)
+        return _load_rows(cache_ref, layer, rows, start, width, valid, fp8, cdt, interpret)
 
     def body(i, carry):
         m, l, acc = carry
@@ -138,14 +170,14 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
         for j in range(pages_per_tile):  # unrolled: independent loads in flight together
             p_idx = page0 + i * pages_per_tile + j
             valid = p_idx * block_size + offs < seq_len  # [bs]; split_pages % pages_per_tile == 0
-            page = jnp.where(p_idx * block_size < seq_len, bt_ref[b, jnp.minimum(p_idx, nb - 1)], 0)
+            page = jnp.where(p_idx * block_size < seq_len, page_id(p_idx), 0)
             rows = pl.ds(page * block_size, block_size)
             key = load(rows, 0, C, valid)  # [bs, C]
             sc = jax.lax.dot_general(ql, key, (((1,), (1,)), ((), ())), preferred_element_type=f32)
             if R:
                 rop = load(rows, C, R, valid)  # [bs, R]
                 sc = sc + jax.lax.dot_general(qr, rop, (((1,), (1,)), ((), ())), preferred_element_type=f32)
-            val = key if v_off is None else load(rows, v_off, C, valid)
+            val = key if v_off is None and value_splits == 1 else load(rows, v_start, VC, valid)
             if fp8:
                 byte = jax.lax.bitcast_convert_type(cache_ref[layer, rows, scale_col], jnp.uint8)
                 row_scale = jnp.exp2(byte.astype(f32) - 127.0)  # [bs]
@@ -167,15 +199,16 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
             acc = acc + jnp.dot(pv.astype(cdt), val, preferred_element_type=f32)
         return m_new, l_new, acc
 
-    _online_softmax(n_tiles, body, BH, C, o_ref, lse_ref)
+    _online_softmax(n_tiles, body, BH, VC, o_ref, lse_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "layer", "v_offset", "block_h", "block_t",
-                                             "num_splits", "num_warps", "num_stages", "tile", "interpret"))
+                                             "num_splits", "num_warps", "num_stages", "tile", "preload_pages",
+                                             "value_splits", "interpret"))
 def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_size: int, scale: float,
                       layer: int | None = None, v_offset: int | None = None, block_h: int = 16, block_t: int = 32,
                       num_splits: int = 1, num_warps: int = 4, num_stages: int = 2, tile: str = "gather",
-                      interpret: bool | None = None):
+                      preload_pages: bool = False, value_splits: int = 1, interpret: bool | None = None):
     """q_latent [B, H, C], q_rope [B, H, R] or None, cache [num_slots, D] or [L, num_slots, D] (then
     ``layer`` picks one), block_tables [B, nb], seq_lens [B] (>= 1) -> context [B, H, C] float32.
 
@@ -183,13 +216,15 @@ def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
     compute dtype of the dots (bf16 on GPU); accumulation and softmax are float32.
     ``tile="gather"`` reads ``block_t`` token rows per step through per-token slots;
     ``tile="pages"`` reads ``block_t // block_size`` whole pages per step, each as one slab.
-    ``v_offset`` (pages only): values are cache columns [v_offset, v_offset + C) instead of the
+    ``v_offset``: values are cache columns [v_offset, v_offset + C) instead of the
     key columns (MLA's V is its latent; a plain [k | v] row, e.g. Step3's MFA, has v_offset = C).
+    ``preload_pages`` (pages only): each program reads its split's page ids once, before its loop.
+    ``value_splits`` (pages only): programs per head block, each producing C / value_splits columns.
     """
     if tile not in ("gather", "pages"):
         raise ValueError(f"tile must be 'gather' or 'pages', got {tile!r}")
-    if tile == "gather" and (v_offset is not None or q_rope is None):
-        raise ValueError("tile='gather' is MLA only: it needs q_rope and takes no v_offset")
+    if tile == "gather" and (preload_pages or value_splits != 1):
+        raise ValueError("preload_pages and value_splits are options of tile='pages'")
     if interpret is None:
         interpret = interpret_mode()
     if cache.ndim == 2:
@@ -197,35 +232,40 @@ def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
     B, H, C = q_latent.shape
     R = 0 if q_rope is None else q_rope.shape[-1]
     nb = block_tables.shape[1]
+    if value_splits < 1 or C % value_splits:
+        raise ValueError(f"value_splits must divide the value width {C}, got {value_splits}")
     fp8 = jnp.dtype(cache.dtype) == jnp.dtype(FP8)
     Hp = pl.cdiv(H, block_h) * block_h
     pad = lambda x: x if Hp == H else jnp.pad(x, ((0, 0), (0, Hp - H), (0, 0)))  # noqa: E731 (zero queries, dropped)
     q_latent = pad(q_latent)
     qs = [q_latent] if not R else [q_latent, pad(q_rope.astype(q_latent.dtype))]
     max_len = nb * block_size
+    kv_cols = C + R if v_offset is None else v_offset + C  # FP8: the scale byte follows the row's values
     if tile == "pages":
         ppt = max(1, block_t // block_size)
         split_pages = pl.cdiv(pl.cdiv(nb, num_splits), ppt) * ppt  # tiles never cross a split
         num_splits = pl.cdiv(nb, split_pages)
-        kv_cols = C + R if v_offset is None else v_offset + C
         kernel = functools.partial(_mla_pages_kernel, layer=layer, C=C, R=R, block_size=block_size, nb=nb,
                                    pages_per_tile=ppt, split_pages=split_pages, scale=float(scale), fp8=fp8,
-                                   v_off=v_offset, scale_col=kv_cols)
+                                   v_off=v_offset, scale_col=kv_cols, preload=preload_pages,
+                                   value_splits=value_splits, interpret=interpret)
     else:
         split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_t) * block_t
         num_splits = pl.cdiv(max_len, split_len)
         kernel = functools.partial(_mla_split_kernel, layer=layer, C=C, R=R, block_size=block_size, nb=nb,
-                                   block_t=block_t, split_len=split_len, scale=float(scale), fp8=fp8)
-    grid = (Hp // block_h, num_splits, B)
+                                   block_t=block_t, split_len=split_len, scale=float(scale), fp8=fp8,
+                                   v_off=v_offset, scale_col=kv_cols, interpret=interpret)
+    vs = value_splits  # axis 0 = head block x value split, the splits of one head block adjacent (L2)
+    grid = (Hp // block_h * vs, num_splits, B)
     whole = pl.no_block_spec  # whole arrays, indexed by hand in the kernel
     o, lse = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[pl.BlockSpec((None, block_h, q.shape[-1]), lambda h, s, b: (b, h, 0)) for q in qs]
+        in_specs=[pl.BlockSpec((None, block_h, q.shape[-1]), lambda h, s, b: (b, h // vs, 0)) for q in qs]
         + [whole, whole, whole],
-        out_specs=[
-            pl.BlockSpec((None, None, block_h, C), lambda h, s, b: (b, s, h, 0)),
-            pl.BlockSpec((None, None, block_h), lambda h, s, b: (b, s, h)),
+        out_specs=[  # (every value split writes the same lse)
+            pl.BlockSpec((None, None, block_h, C // vs), lambda h, s, b: (b, s, h // vs, h % vs)),
+            pl.BlockSpec((None, None, block_h), lambda h, s, b: (b, s, h // vs)),
         ],
         out_shape=[jax.ShapeDtypeStruct((B, num_splits, Hp, C), jnp.float32),
                    jax.ShapeDtypeStruct((B, num_splits, Hp), jnp.float32)],

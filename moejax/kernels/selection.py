@@ -165,24 +165,35 @@ def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, blo
         return Choice("xla", reason="mode or platform")
     if not forced and not (_triton_dim(latent) and _triton_dim(rope) and heads >= 1):
         return Choice("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
-    # H200 sweep (BENCHMARKS.md, benchmarks/mla_sweep_2026-12-02c.txt): one page per step when many
-    # head blocks share each page through L2, two otherwise.
-    p = _paged_decode_params(batch, heads, max_len, block_size, pages_per_step=1 if heads >= 64 else 2)
+    p = _paged_decode_params(batch, heads, max_len, block_size, cache_dtype)
     return Choice("pallas", p, "forced" if forced else "gpu")
 
 
-def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, pages_per_step: int) -> dict:
-    """Tiling of the paged decode kernel (``mla_decode_pallas``, tile="pages"), for MLA and MFA alike:
-    whole-page tiles with masked loads, 16-head blocks (larger ones spill the [heads, 512] f32
-    accumulator; Triton dots need M >= 16, the interpreter on CPU takes any), one page per step on
-    ROCm, and the context split until the programs fill the GPU."""
-    rocm = platform() == "rocm"
-    block_h = 16 if heads >= 16 or platform() != "cpu" else 1 << max(heads - 1, 0).bit_length()
+def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, cache_dtype) -> dict:
+    """Tiling of the paged decode kernel (``mla_decode_pallas``), for MLA and MFA alike.
+
+    bf16 cache (H200 sweep, BENCHMARKS.md, benchmarks/2026-12-03b/): the gather tile, 64 tokens
+    across four pages in one dot. Nsight Compute showed the whole-page tile bound by shared memory
+    traffic: its [16 tokens x C] score dot let the warps re-read the same key tile, and one program
+    per 16 heads re-read each page. 32-head blocks (64 with 128 heads spills) halve the page reads;
+    16 heads take 16-head blocks (Triton dots need M >= 16; the CPU interpreter takes any).
+    FP8 cache: the whole-page tile, one or two pages a step (its select-after-load keeps the tile in
+    registers, where 64 tokens would spill; measured 2026-12-02). ROCm: 32 tokens and one pipeline
+    stage (64 KB of LDS; not run: no AMD GPU here). The context is split until the programs fill the GPU."""
+    rocm, cpu = platform() == "rocm", platform() == "cpu"
+    fp8 = jnp.dtype(cache_dtype).itemsize == 1
+    block_h = 16 if heads >= 16 or not cpu else 1 << max(heads - 1, 0).bit_length()
+    if heads >= 32 and not fp8 and not rocm:
+        block_h = 32
     programs = batch * -(-heads // block_h)
     max_splits = max(1, max_len // 256)  # a split should cover >= 256 tokens
     num_splits = max(1, min(max_splits, -(-num_compute_units() // max(programs, 1)), 16))
-    return dict(tile="pages", block_h=block_h, block_t=(1 if rocm else pages_per_step) * block_size,
-                num_splits=num_splits, num_warps=4, num_stages=1 if rocm else 2)
+    if fp8:
+        pages = 1 if rocm or heads >= 64 else 2
+        return dict(tile="pages", block_h=block_h, block_t=pages * block_size, num_splits=num_splits,
+                    num_warps=4, num_stages=1 if rocm else 2)
+    return dict(tile="gather", block_h=block_h, block_t=32 if rocm else 64, num_splits=num_splits, num_warps=4,
+                num_stages=1 if rocm else (3 if block_h >= 32 else 2))
 
 
 def mla_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size: int, scale: float,
@@ -209,9 +220,9 @@ def select_mfa(batch: int, heads: int, head_dim: int, groups: int, max_len: int,
         return Choice("xla", reason="the kernel reads one K/V head per row; grouped K/V heads use XLA")
     if not forced and not _triton_dim(head_dim):
         return Choice("xla", reason="head_dim not a power of two >= 16 (Triton blocks)")
-    # H200, Step3 shapes (64 heads x 256, context 4096; BENCHMARKS.md, benchmarks/2026-12-03/mfa_sweep.txt):
-    # 1.10-1.53x the XLA path at batch 32-256 with two pages a step.
-    p = _paged_decode_params(batch, heads, max_len, block_size, pages_per_step=2)
+    # H200, Step3 shapes (64 heads x 256, context 4096; BENCHMARKS.md, benchmarks/2026-12-03b/g_mfa.txt):
+    # the gather tile with 32-head blocks, 1.77x the XLA path at batch 256.
+    p = _paged_decode_params(batch, heads, max_len, block_size, cache_dtype)
     return Choice("pallas", p, "forced" if forced else "gpu")
 
 
