@@ -2,20 +2,23 @@
 
 Flash-decoding in two stages:
 
-1. ``_mla_split_kernel``, grid (head blocks, KV splits, batch). Program (h, s, b)
-   takes ``block_h`` query heads of sequence ``b`` and the ``s``-th slice of its
-   context, walks that slice in tiles of ``block_t`` tokens (slot of each token
-   read from the block table in the kernel, latent rows gathered straight from
-   the paged cache: no copy of the cache is ever made), and keeps an online
-   softmax. It writes its partial context (already normalised) and its
-   log-sum-exp. The head-block axis is the fastest grid axis, so the programs
-   of all head blocks of one (sequence, split) run together and share each
-   latent tile through L2: HBM sees the sequence's cache about once. With
-   ``block_h == H`` one program really does all heads against one read.
-   ``_mla_pages_kernel`` is the same program with whole cache pages as tiles:
-   one scalar page id, then a contiguous masked [block_size, D] load that feeds
-   the dots directly (Triton stages it through shared memory asynchronously).
-   On the H200 it is 1.2-1.9x faster than the per-token gather (the default).
+1. Grid (head blocks, KV splits, batch). Program (h, s, b) takes ``block_h``
+   query heads of sequence ``b`` and the ``s``-th slice of its context, walks
+   that slice in tiles and keeps an online softmax. It writes its partial
+   context (already normalised) and its log-sum-exp. The head-block axis is the
+   fastest grid axis, so the programs of all head blocks of one (sequence,
+   split) run together and share each tile through L2: HBM sees the sequence's
+   cache about once. No copy of the cache is ever made. Two tilings:
+   ``_mla_split_kernel`` ("gather") takes ``block_t`` tokens per step, each
+   token's slot read through the block table, so one tile spans several pages
+   and feeds one score dot and one value dot; ``_mla_pages_kernel`` ("pages")
+   takes whole pages, one scalar page id and a contiguous [block_size, D] slab
+   each, one pair of dots per page. Both load through masked loads (zero fill)
+   that feed the dots directly, so Triton stages tiles through shared memory
+   asynchronously. On the H200 the gather tile with 64 tokens is the faster one
+   for bf16 caches (1.2x at 16 heads, 2x at 128): the page tile's 16-token score
+   dot made Triton's warps re-read the same key tile from shared memory, which
+   Nsight Compute showed as the bound (benchmarks/2026-12-03b/).
 2. Reduction over splits (plain JAX, fused by XLA): weights exp(lse_s - lse_max).
    With one split, stage 1 writes the final result and there is no stage 2.
 
@@ -118,29 +121,19 @@ def _mla_split_kernel(*refs, layer, C, R, block_size, nb, block_t, split_len, sc
 
 
 def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_pages, scale, fp8, v_off,
-                      scale_col, preload, value_splits, interpret):
+                      scale_col, interpret):
     """Like ``_mla_split_kernel`` but a tile is ``pages_per_tile`` whole cache pages, each read as one
     contiguous [block_size, D] slab (a scalar page id, then a plain strided load: no per-token gather).
 
     Scores use cache columns [0, C) (plus [C, C+R) against q_rope when R > 0). Values are the same
     columns [0, C) (MLA: V is the latent) or, with ``v_off``, columns [v_off, v_off + C) (a plain
-    K/V row such as Step3's MFA [k | v]). FP8 rows keep their scale byte at column ``scale_col``.
-
-    ``preload``: the split's page ids are read once, as one vector, before the loop, and each step
-    picks its ids from registers. Otherwise each step loads its page ids from the block table first,
-    so the page load's address waits on another memory load inside the loop.
-
-    ``value_splits`` > 1: program axis 0 also splits the value/output columns; each program keeps a
-    [BH, C / value_splits] accumulator (every program still computes the full scores), so bigger
-    head blocks fit in registers at the price of recomputed scores."""
+    K/V row such as Step3's MFA [k | v]). FP8 rows keep their scale byte at column ``scale_col``."""
     if R:
         ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref = refs
     else:
         ql_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref = refs
     b = pl.program_id(2)
     s = pl.program_id(1)
-    VC = C // value_splits
-    v_start = (v_off or 0) + (pl.program_id(0) % value_splits) * VC  # this program's value columns
     f32 = jnp.float32
     seq_len = len_ref[b]
     page0 = s * split_pages
@@ -151,16 +144,6 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
     cdt = ql.dtype
     BH = ql.shape[0]
     offs = jnp.arange(block_size, dtype=jnp.int32)
-    if preload:
-        n_ids = 1 << max(split_pages - 1, 0).bit_length()  # a power of two (Triton tensor)
-        id_pos = jnp.arange(n_ids, dtype=jnp.int32)
-        split_ids = bt_ref[b, jnp.minimum(page0 + id_pos, nb - 1)]  # [n_ids], one load
-
-    def page_id(p_idx):
-        if preload:  # a select-and-sum picks one id out of registers (no memory access)
-            return jnp.sum(jnp.where(id_pos == p_idx - page0, split_ids, 0))
-        return bt_ref[b, jnp.minimum(p_idx, nb - 1)]
-
     def load(rows, start, width, valid):
         return _load_rows(cache_ref, layer, rows, start, width, valid, fp8, cdt, interpret)
 
@@ -170,14 +153,14 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
         for j in range(pages_per_tile):  # unrolled: independent loads in flight together
             p_idx = page0 + i * pages_per_tile + j
             valid = p_idx * block_size + offs < seq_len  # [bs]; split_pages % pages_per_tile == 0
-            page = jnp.where(p_idx * block_size < seq_len, page_id(p_idx), 0)
+            page = jnp.where(p_idx * block_size < seq_len, bt_ref[b, jnp.minimum(p_idx, nb - 1)], 0)
             rows = pl.ds(page * block_size, block_size)
             key = load(rows, 0, C, valid)  # [bs, C]
             sc = jax.lax.dot_general(ql, key, (((1,), (1,)), ((), ())), preferred_element_type=f32)
             if R:
                 rop = load(rows, C, R, valid)  # [bs, R]
                 sc = sc + jax.lax.dot_general(qr, rop, (((1,), (1,)), ((), ())), preferred_element_type=f32)
-            val = key if v_off is None and value_splits == 1 else load(rows, v_start, VC, valid)
+            val = key if v_off is None else load(rows, v_off, C, valid)
             if fp8:
                 byte = jax.lax.bitcast_convert_type(cache_ref[layer, rows, scale_col], jnp.uint8)
                 row_scale = jnp.exp2(byte.astype(f32) - 127.0)  # [bs]
@@ -199,16 +182,15 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
             acc = acc + jnp.dot(pv.astype(cdt), val, preferred_element_type=f32)
         return m_new, l_new, acc
 
-    _online_softmax(n_tiles, body, BH, VC, o_ref, lse_ref)
+    _online_softmax(n_tiles, body, BH, C, o_ref, lse_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "layer", "v_offset", "block_h", "block_t",
-                                             "num_splits", "num_warps", "num_stages", "tile", "preload_pages",
-                                             "value_splits", "interpret"))
+                                             "num_splits", "num_warps", "num_stages", "tile", "interpret"))
 def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_size: int, scale: float,
                       layer: int | None = None, v_offset: int | None = None, block_h: int = 16, block_t: int = 32,
                       num_splits: int = 1, num_warps: int = 4, num_stages: int = 2, tile: str = "gather",
-                      preload_pages: bool = False, value_splits: int = 1, interpret: bool | None = None):
+                      interpret: bool | None = None):
     """q_latent [B, H, C], q_rope [B, H, R] or None, cache [num_slots, D] or [L, num_slots, D] (then
     ``layer`` picks one), block_tables [B, nb], seq_lens [B] (>= 1) -> context [B, H, C] float32.
 
@@ -218,13 +200,9 @@ def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
     ``tile="pages"`` reads ``block_t // block_size`` whole pages per step, each as one slab.
     ``v_offset``: values are cache columns [v_offset, v_offset + C) instead of the
     key columns (MLA's V is its latent; a plain [k | v] row, e.g. Step3's MFA, has v_offset = C).
-    ``preload_pages`` (pages only): each program reads its split's page ids once, before its loop.
-    ``value_splits`` (pages only): programs per head block, each producing C / value_splits columns.
     """
     if tile not in ("gather", "pages"):
         raise ValueError(f"tile must be 'gather' or 'pages', got {tile!r}")
-    if tile == "gather" and (preload_pages or value_splits != 1):
-        raise ValueError("preload_pages and value_splits are options of tile='pages'")
     if interpret is None:
         interpret = interpret_mode()
     if cache.ndim == 2:
@@ -232,8 +210,6 @@ def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
     B, H, C = q_latent.shape
     R = 0 if q_rope is None else q_rope.shape[-1]
     nb = block_tables.shape[1]
-    if value_splits < 1 or C % value_splits:
-        raise ValueError(f"value_splits must divide the value width {C}, got {value_splits}")
     fp8 = jnp.dtype(cache.dtype) == jnp.dtype(FP8)
     Hp = pl.cdiv(H, block_h) * block_h
     pad = lambda x: x if Hp == H else jnp.pad(x, ((0, 0), (0, Hp - H), (0, 0)))  # noqa: E731 (zero queries, dropped)
@@ -247,25 +223,23 @@ def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
         num_splits = pl.cdiv(nb, split_pages)
         kernel = functools.partial(_mla_pages_kernel, layer=layer, C=C, R=R, block_size=block_size, nb=nb,
                                    pages_per_tile=ppt, split_pages=split_pages, scale=float(scale), fp8=fp8,
-                                   v_off=v_offset, scale_col=kv_cols, preload=preload_pages,
-                                   value_splits=value_splits, interpret=interpret)
+                                   v_off=v_offset, scale_col=kv_cols, interpret=interpret)
     else:
         split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_t) * block_t
         num_splits = pl.cdiv(max_len, split_len)
         kernel = functools.partial(_mla_split_kernel, layer=layer, C=C, R=R, block_size=block_size, nb=nb,
                                    block_t=block_t, split_len=split_len, scale=float(scale), fp8=fp8,
                                    v_off=v_offset, scale_col=kv_cols, interpret=interpret)
-    vs = value_splits  # axis 0 = head block x value split, the splits of one head block adjacent (L2)
-    grid = (Hp // block_h * vs, num_splits, B)
+    grid = (Hp // block_h, num_splits, B)
     whole = pl.no_block_spec  # whole arrays, indexed by hand in the kernel
     o, lse = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[pl.BlockSpec((None, block_h, q.shape[-1]), lambda h, s, b: (b, h // vs, 0)) for q in qs]
+        in_specs=[pl.BlockSpec((None, block_h, q.shape[-1]), lambda h, s, b: (b, h, 0)) for q in qs]
         + [whole, whole, whole],
-        out_specs=[  # (every value split writes the same lse)
-            pl.BlockSpec((None, None, block_h, C // vs), lambda h, s, b: (b, s, h // vs, h % vs)),
-            pl.BlockSpec((None, None, block_h), lambda h, s, b: (b, s, h // vs)),
+        out_specs=[
+            pl.BlockSpec((None, None, block_h, C), lambda h, s, b: (b, s, h, 0)),
+            pl.BlockSpec((None, None, block_h), lambda h, s, b: (b, s, h)),
         ],
         out_shape=[jax.ShapeDtypeStruct((B, num_splits, Hp, C), jnp.float32),
                    jax.ShapeDtypeStruct((B, num_splits, Hp), jnp.float32)],

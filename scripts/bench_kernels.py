@@ -77,14 +77,14 @@ def moe_grid(t):
              "num_warps": [4, 8], "num_stages": [4]}]
 
 
-# Alternatives timed by --sweep for MLA: per-token gather vs whole-page tiles, head blocks up to 64
-# (one program per 64 heads needs 8 warps for its [64, 512] f32 accumulator), pipeline depth, splits.
+# Alternatives timed by --sweep for MLA: the gather tile (tokens across pages in one dot) and the
+# whole-page tile, head blocks of 16 and 32 (64 needs 8 warps for its [64, 512] f32 accumulator),
+# pipeline depth, splits.
 MLA_GRID = [
-    {"tile": ["pages"], "block_h": [16], "block_t": [16, 32, 64], "num_warps": [4], "num_stages": [2, 3],
-     "num_splits": [1, 2]},
-    {"tile": ["pages"], "block_h": [32], "block_t": [16, 32], "num_warps": [4, 8], "num_stages": [2]},
-    {"tile": ["pages"], "block_h": [64], "block_t": [16, 32, 64], "num_warps": [8], "num_stages": [1, 2]},
-    {"tile": ["gather"], "block_h": [16], "block_t": [64], "num_warps": [8], "num_stages": [2]},
+    {"tile": ["gather"], "block_h": [16, 32], "block_t": [32, 64, 128], "num_warps": [4], "num_stages": [2, 3]},
+    {"tile": ["gather"], "block_h": [16], "block_t": [64], "num_warps": [4], "num_stages": [2], "num_splits": [2]},
+    {"tile": ["pages"], "block_h": [16], "block_t": [16, 32], "num_warps": [4], "num_stages": [2, 3]},
+    {"tile": ["pages"], "block_h": [64], "block_t": [16], "num_warps": [8], "num_stages": [2]},
 ]
 
 
@@ -181,8 +181,9 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
                       f"{kvb / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {'selected' if i == 0 else ''} {c}")
 
 
-MFA_GRID = {"tile": ["pages"], "block_h": [16, 32], "block_t": [16, 32, 64], "num_warps": [4], "num_stages": [2, 3],
-            "num_splits": [1, 2]}
+MFA_GRID = [{"tile": ["gather"], "block_h": [16, 32], "block_t": [32, 64], "num_warps": [4], "num_stages": [2, 3],
+             "num_splits": [1, 2]},
+            {"tile": ["pages"], "block_h": [16], "block_t": [32], "num_warps": [4], "num_stages": [2]}]
 
 
 def run_mfa(batches, ctx, bw, rate, sweep, smoke, interpret, grid=None):

@@ -96,8 +96,7 @@ def mla_inputs(seed, B, H, C, R, block_size, nb, L=2):
     return values, ql, qr, pages.reshape(B, nb).astype(jnp.int32)
 
 
-# "pages+": page ids read once per program before its loop, value columns split over two programs
-@pytest.mark.parametrize("tile", ["gather", "pages", "pages+"])
+@pytest.mark.parametrize("tile", ["gather", "pages"])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("B,H,C,R,block_size,nb,lens,block_h,block_t,splits", [
     (4, 16, 64, 16, 4, 12, [1, 5, 48, 23], 16, 8, 1),    # mixed short / long, one split
@@ -115,9 +114,8 @@ def test_mla_decode_matches_reference(kv, B, H, C, R, block_size, nb, lens, bloc
     else:
         cache = quantize_rows(values, cache_row_dim(C + R, "fp8"))
         stored = dequantize_rows(cache[1], C + R)
-    extra = dict(preload_pages=True, value_splits=2) if tile == "pages+" else {}
     got = mla_decode_pallas(ql, qr, cache, bt, lens, block_size=block_size, scale=scale, layer=1, block_h=block_h,
-                            block_t=block_t, num_splits=splits, tile=tile.rstrip("+"), interpret=True, **extra)
+                            block_t=block_t, num_splits=splits, tile=tile, interpret=True)
     assert got.shape == (B, H, C) and got.dtype == jnp.float32
     # against the exact attention over what the cache holds
     exact = mla_reference(ql, qr, stored, bt, lens, block_size, scale)
@@ -145,7 +143,6 @@ def mfa_reference(q, values, block_tables, seq_lens, block_size, scale):
 @pytest.mark.parametrize("B,H,D,block_size,nb,lens,block_h,block_t,splits,extra", [
     (3, 16, 64, 4, 10, [40, 1, 17], 16, 8, 1, {}),       # mixed lengths, 2 pages a step
     (2, 20, 32, 8, 6, [48, 30], 16, 8, 3, {}),           # heads not a multiple of the block, 3 splits
-    (3, 16, 64, 4, 10, [40, 1, 17], 16, 8, 2, dict(preload_pages=True, value_splits=4)),
     (3, 16, 64, 4, 10, [40, 1, 17], 16, 16, 2, dict(tile="gather")),  # tokens of 4 pages in one tile
 ])
 def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, block_h, block_t, splits, extra):
@@ -198,12 +195,9 @@ def test_mfa_selection(monkeypatch):
         c = select_mfa(32, 64, 256, 1, 4096, 16, BF16)
         assert c.impl == "pallas" and c.params["tile"] == "gather"
         assert select_mfa(32, 64, 256, 2, 4096, 16, BF16).impl == "xla"  # grouped K/V heads: XLA
-    with pytest.raises(ValueError, match="options of tile='pages'"):
+    with pytest.raises(ValueError, match="tile must be"):
         mla_decode_pallas(jnp.zeros((1, 16, 16), BF16), None, jnp.zeros((32, 32), BF16), jnp.zeros((1, 2), jnp.int32),
-                          jnp.ones((1,), jnp.int32), block_size=16, scale=1.0, tile="gather", preload_pages=True)
-    with pytest.raises(ValueError, match="value_splits"):
-        mla_decode_pallas(jnp.zeros((1, 16, 16), BF16), None, jnp.zeros((32, 32), BF16), jnp.zeros((1, 2), jnp.int32),
-                          jnp.ones((1,), jnp.int32), block_size=16, scale=1.0, tile="pages", value_splits=3)
+                          jnp.ones((1,), jnp.int32), block_size=16, scale=1.0, tile="rows")
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
@@ -287,8 +281,7 @@ def test_kernels_lower_to_triton(platform):
         assert text.count("xla.gpu.triton") == 1
     # Step3 MFA: no rope part, values at column 256 (the gather tile's masked gathers are GPU-only:
     # the interpreter on CPU selects after the load instead, so only this lowering checks them)
-    for tile, extra in (("pages", {}), ("pages", dict(preload_pages=True, value_splits=2)),
-                        ("gather", dict(block_h=32, block_t=64))):
+    for tile, extra in (("pages", {}), ("gather", dict(block_h=32, block_t=64))):
         text = jax.jit(lambda q, c, t, l: mla_decode_pallas(
             q, None, c, t, l, block_size=bs, scale=0.1, layer=1, v_offset=256, tile=tile, interpret=False,
             **extra)).trace(S((B, 64, 256), BF16), S((2, 8192, 512), BF16), S((B, nb), jnp.int32), S((B,), jnp.int32)
