@@ -132,22 +132,32 @@ def offline_sweep(a) -> list[dict]:
 
 
 def offline_row(r: dict) -> dict:
-    """One CSV row from a bench_decode --json result (moejax auto vs the XLA baseline)."""
-    auto, xla = r["runs_by_kernels"]["auto"]["none"], r["runs_by_kernels"]["xla"]["none"]
+    """One CSV row from a bench_decode --json result (moejax auto vs the XLA baseline, None if not run)."""
+    auto = r["runs_by_kernels"]["auto"]["none"]
+    xla = r["runs_by_kernels"].get("xla", {}).get("none", {})
     return {"preset": r["preset"], "layers": r["layers"], "concurrency": r["concurrency"], "input_len": r["input_len"],
             "tok_per_s": auto["tok_per_s"], "median_step_ms": auto["median_step_s"] * 1e3,
             "floor_ms": r["floor_s"] * 1e3, "floor_fraction": auto["floor_fraction"],
-            "xla_tok_per_s": xla["tok_per_s"], "peer_tok_per_s": r.get("peer_tok_per_s"), "device": r["device"]}
+            "xla_tok_per_s": xla.get("tok_per_s"), "peer_tok_per_s": r.get("peer_tok_per_s"), "device": r["device"]}
 
 
 def collect_offline(paths: list[str], out_dir: str) -> list[dict]:
-    """--collect: the CSV and plot from bench_decode JSON files saved earlier (e.g. several runs)."""
+    """--collect: the CSV and plot from bench_decode JSON files saved earlier (e.g. several runs).
+    Per (preset, layers, concurrency, input length) the last file given wins; a point whose run had
+    no XLA baseline takes the baseline of an earlier file of the same point (the XLA path is the
+    same code), else leaves it empty."""
     import json
-    rows = []
+    rows = {}
     for p in paths:
         with open(p) as f:
-            rows.append(offline_row(json.load(f)))
-    rows.sort(key=lambda r: (r["preset"], r["concurrency"]))
+            row = offline_row(json.load(f))
+        key = (row["preset"], row["layers"], row["concurrency"], row["input_len"])
+        if row["xla_tok_per_s"] is None and key in rows:
+            row["xla_tok_per_s"] = rows[key]["xla_tok_per_s"]
+        if row["peer_tok_per_s"] is None and key in rows:
+            row["peer_tok_per_s"] = rows[key]["peer_tok_per_s"]
+        rows[key] = row
+    rows = sorted(rows.values(), key=lambda r: (r["preset"], r["layers"], r["concurrency"]))
     return write_offline(rows, out_dir, "offline decode")
 
 
@@ -165,8 +175,10 @@ def write_offline(rows: list[dict], out_dir: str, title: str) -> list[dict]:
     for name in dict.fromkeys(r["preset"] for r in rows):
         rs = [r for r in rows if r["preset"] == name]
         ax.plot([r["median_step_ms"] for r in rs], [r["tok_per_s"] for r in rs], "o-", label=f"{name} (moejax)")
-        ax.plot([r["concurrency"] / r["xla_tok_per_s"] * 1e3 for r in rs],
-                [r["xla_tok_per_s"] for r in rs], "x--", label=f"{name} (XLA baseline)")
+        xs = [r for r in rs if r["xla_tok_per_s"]]
+        if xs:
+            ax.plot([r["concurrency"] / r["xla_tok_per_s"] * 1e3 for r in xs],
+                    [r["xla_tok_per_s"] for r in xs], "x--", label=f"{name} (XLA baseline)")
         for r in rs:
             ax.annotate(f"c={r['concurrency']}", (r["median_step_ms"], r["tok_per_s"]), textcoords="offset points",
                         xytext=(5, 5))

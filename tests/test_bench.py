@@ -78,6 +78,19 @@ def test_offline_decode_sweep_and_components(tmp_path):
     again = sweep.main(["--collect", str(tmp_path / "decode_v3-tiny_c2.json"), str(tmp_path / "decode_step3-tiny_c2.json"),
                         "--out-dir", str(tmp_path / "collected")])  # the table rebuilt from the saved results
     assert sorted((r["preset"], r["tok_per_s"]) for r in again) == sorted((r["preset"], r["tok_per_s"]) for r in rows)
+    # a later run of the same point without the XLA baseline or the peer: its own numbers, the earlier baseline
+    with open(tmp_path / "decode_v3-tiny_c2.json") as f:
+        later = json.load(f)
+    del later["runs_by_kernels"]["xla"]
+    later.pop("peer_tok_per_s", None)
+    later["runs_by_kernels"]["auto"]["none"]["tok_per_s"] *= 2
+    with open(tmp_path / "later.json", "w") as f:
+        json.dump(later, f)
+    merged = sweep.main(["--collect", str(tmp_path / "decode_v3-tiny_c2.json"), str(tmp_path / "later.json"),
+                         "--out-dir", str(tmp_path / "merged")])
+    first = next(r for r in rows if r["preset"] == "v3-tiny")
+    assert len(merged) == 1 and merged[0]["tok_per_s"] == 2 * first["tok_per_s"]
+    assert merged[0]["xla_tok_per_s"] == first["xla_tok_per_s"] and merged[0]["peer_tok_per_s"] == first["peer_tok_per_s"]
     assert (tmp_path / "decode_sweep.png").stat().st_size > 1000
     import bench_decode
     out = tmp_path / "components.json"
