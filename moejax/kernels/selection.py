@@ -176,15 +176,20 @@ def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, 
     across four pages in one dot. Nsight Compute showed the whole-page tile bound by shared memory
     traffic: its [16 tokens x C] score dot let the warps re-read the same key tile, and one program
     per 16 heads re-read each page. 32-head blocks (64 with 128 heads spills) halve the page reads;
-    16 heads take 16-head blocks (Triton dots need M >= 16; the CPU interpreter takes any).
+    16 heads take 16-head blocks (Triton dots need M >= 16; the CPU interpreter takes any), and so
+    do batches too small to fill the GPU with 32-head programs (then with 32-token tiles).
     FP8 cache: the whole-page tile, one or two pages a step (its select-after-load keeps the tile in
     registers, where 64 tokens would spill; measured 2026-12-02). ROCm: 32 tokens and one pipeline
     stage (64 KB of LDS; not run: no AMD GPU here). The context is split until the programs fill the GPU."""
     rocm, cpu = platform() == "rocm", platform() == "cpu"
     fp8 = jnp.dtype(cache_dtype).itemsize == 1
     block_h = 16 if heads >= 16 or not cpu else 1 << max(heads - 1, 0).bit_length()
+    block_t = 32 if rocm else 64
     if heads >= 32 and not fp8 and not rocm:
-        block_h = 32
+        if batch * -(-heads // 32) >= num_compute_units():
+            block_h = 32
+        else:  # few sequences: more, smaller programs (MFA batch 32: 232 us vs 324 with 32 x 64 tiles)
+            block_t = 32
     programs = batch * -(-heads // block_h)
     max_splits = max(1, max_len // 256)  # a split should cover >= 256 tokens
     num_splits = max(1, min(max_splits, -(-num_compute_units() // max(programs, 1)), 16))
@@ -192,7 +197,7 @@ def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, 
         pages = 1 if rocm or heads >= 64 else 2
         return dict(tile="pages", block_h=block_h, block_t=pages * block_size, num_splits=num_splits,
                     num_warps=4, num_stages=1 if rocm else 2)
-    return dict(tile="gather", block_h=block_h, block_t=32 if rocm else 64, num_splits=num_splits, num_warps=4,
+    return dict(tile="gather", block_h=block_h, block_t=block_t, num_splits=num_splits, num_warps=4,
                 num_stages=1 if rocm else (3 if block_h >= 32 else 2))
 
 
