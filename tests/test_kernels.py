@@ -179,6 +179,22 @@ def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, 
     assert rel_err(forced, ref) < 1e-2 and rel_err(ref, exact) < 1e-2
 
 
+def test_fp8_selection_on_gpu(monkeypatch):
+    """auto on a GPU: an FP8 cache with 64+ heads stays on XLA (the page tile timed slower there),
+    16 heads take the page tile; bf16 takes the gather tile; "pallas" still forces the kernel."""
+    from moejax.kernels import selection
+    from moejax.kernels.selection import select_mfa
+    FP8 = jnp.float8_e4m3fn
+    monkeypatch.setattr(selection, "platform", lambda: "cuda")
+    with kernel_mode("auto"):
+        assert select_mla(256, 128, 512, 64, 2048, 16, FP8).impl == "xla"
+        assert select_mfa(256, 64, 256, 1, 4096, 16, FP8).impl == "xla"
+        assert select_mla(256, 16, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
+        assert select_mla(256, 128, 512, 64, 2048, 16, BF16).params["tile"] == "gather"
+    with kernel_mode("pallas"):
+        assert select_mla(256, 128, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
+
+
 def test_mfa_selection(monkeypatch):
     from moejax.kernels import selection
     from moejax.kernels.selection import select_mfa

@@ -165,8 +165,15 @@ def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, blo
         return Choice("xla", reason="mode or platform")
     if not forced and not (_triton_dim(latent) and _triton_dim(rope) and heads >= 1):
         return Choice("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
+    if not forced and _slow_fp8(heads, cache_dtype):
+        return Choice("xla", reason=_slow_fp8.__doc__)
     p = _paged_decode_params(batch, heads, max_len, block_size, cache_dtype)
     return Choice("pallas", p, "forced" if forced else "gpu")
+
+
+def _slow_fp8(heads: int, cache_dtype) -> bool:
+    """FP8 cache with 64+ heads: the page tile measured 0.42-0.53x the XLA path (H200, 128 heads)."""
+    return jnp.dtype(cache_dtype).itemsize == 1 and heads >= 64
 
 
 def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, cache_dtype) -> dict:
@@ -179,7 +186,8 @@ def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, 
     16 heads take 16-head blocks (Triton dots need M >= 16; the CPU interpreter takes any), and so
     do batches too small to fill the GPU with 32-head programs (then with 32-token tiles).
     FP8 cache: the whole-page tile, one or two pages a step (its select-after-load keeps the tile in
-    registers, where 64 tokens would spill; measured 2026-12-02). ROCm: 32 tokens and one pipeline
+    registers, where 64 tokens would spill): 1.6-2.1x XLA at 16 heads; with 64+ heads "auto" keeps
+    XLA (``_slow_fp8``). ROCm: 32 tokens and one pipeline
     stage (64 KB of LDS; not run: no AMD GPU here). The context is split until the programs fill the GPU."""
     rocm, cpu = platform() == "rocm", platform() == "cpu"
     fp8 = jnp.dtype(cache_dtype).itemsize == 1
@@ -225,6 +233,8 @@ def select_mfa(batch: int, heads: int, head_dim: int, groups: int, max_len: int,
         return Choice("xla", reason="the kernel reads one K/V head per row; grouped K/V heads use XLA")
     if not forced and not _triton_dim(head_dim):
         return Choice("xla", reason="head_dim not a power of two >= 16 (Triton blocks)")
+    if not forced and _slow_fp8(heads, cache_dtype):
+        return Choice("xla", reason=_slow_fp8.__doc__)
     # H200, Step3 shapes (64 heads x 256, context 4096; BENCHMARKS.md, benchmarks/2026-12-03b/g_mfa.txt):
     # the gather tile with 32-head blocks, 1.77x the XLA path at batch 256.
     p = _paged_decode_params(batch, heads, max_len, block_size, cache_dtype)
