@@ -172,8 +172,9 @@ def write_offline(rows: list[dict], out_dir: str, title: str) -> list[dict]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 5))
-    for name in dict.fromkeys(r["preset"] for r in rows):
-        rs = [r for r in rows if r["preset"] == name]
+    for preset, layers in dict.fromkeys((r["preset"], r["layers"]) for r in rows):
+        rs = [r for r in rows if (r["preset"], r["layers"]) == (preset, layers)]
+        name = f"{preset}, {layers} layers"  # one line per model: a run with fewer layers is another model
         ax.plot([r["median_step_ms"] for r in rs], [r["tok_per_s"] for r in rs], "o-", label=f"{name} (moejax)")
         xs = [r for r in rs if r["xla_tok_per_s"]]
         if xs:
