@@ -144,6 +144,7 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
     cdt = ql.dtype
     BH = ql.shape[0]
     offs = jnp.arange(block_size, dtype=jnp.int32)
+
     def load(rows, start, width, valid):
         return _load_rows(cache_ref, layer, rows, start, width, valid, fp8, cdt, interpret)
 
