@@ -152,10 +152,9 @@ def collect_offline(paths: list[str], out_dir: str) -> list[dict]:
         with open(p) as f:
             row = offline_row(json.load(f))
         key = (row["preset"], row["layers"], row["concurrency"], row["input_len"])
-        if row["xla_tok_per_s"] is None and key in rows:
-            row["xla_tok_per_s"] = rows[key]["xla_tok_per_s"]
-        if row["peer_tok_per_s"] is None and key in rows:
-            row["peer_tok_per_s"] = rows[key]["peer_tok_per_s"]
+        for field in ("xla_tok_per_s", "peer_tok_per_s"):
+            if row[field] is None and key in rows:
+                row[field] = rows[key][field]
         rows[key] = row
     rows = sorted(rows.values(), key=lambda r: (r["preset"], r["layers"], r["concurrency"]))
     return write_offline(rows, out_dir, "offline decode")

@@ -140,13 +140,13 @@ def mfa_reference(q, values, block_tables, seq_lens, block_size, scale):
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-@pytest.mark.parametrize("B,H,D,block_size,nb,lens,block_h,block_t,splits,extra", [
-    (3, 16, 64, 4, 10, [40, 1, 17], 16, 8, 1, {}),       # mixed lengths, 2 pages a step
-    (2, 20, 32, 8, 6, [48, 30], 16, 8, 3, {}),           # heads not a multiple of the block, 3 splits
-    (3, 16, 64, 4, 10, [40, 1, 17], 16, 16, 2, dict(tile="gather")),  # tokens of 4 pages in one tile
+@pytest.mark.parametrize("B,H,D,block_size,nb,lens,block_h,block_t,splits,tile", [
+    (3, 16, 64, 4, 10, [40, 1, 17], 16, 8, 1, "pages"),    # mixed lengths, 2 pages a step
+    (2, 20, 32, 8, 6, [48, 30], 16, 8, 3, "pages"),        # heads not a multiple of the block, 3 splits
+    (3, 16, 64, 4, 10, [40, 1, 17], 16, 16, 2, "gather"),  # tokens of 4 pages in one tile
 ])
-def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, block_h, block_t, splits, extra):
-    """Step3 MFA through the MLA pages kernel: scores on columns [0, D), values on [D, 2D)."""
+def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, block_h, block_t, splits, tile):
+    """Step3 MFA through the MLA kernel (either tile): scores on columns [0, D), values on [D, 2D)."""
     k = jax.random.split(jax.random.key(B * 11 + H), 3)
     L, num_slots = 2, B * nb * block_size + block_size
     values = jax.random.normal(k[0], (L, num_slots, 2 * D))
@@ -161,8 +161,7 @@ def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, 
         cache = quantize_rows(values, cache_row_dim(2 * D, "fp8"))
         stored = dequantize_rows(cache[1], 2 * D)
     got = mla_decode_pallas(q, None, cache, bt, lens, block_size=block_size, scale=scale, layer=1, v_offset=D,
-                            block_h=block_h, block_t=block_t, num_splits=splits, interpret=True,
-                            **{"tile": "pages", **extra})
+                            block_h=block_h, block_t=block_t, num_splits=splits, tile=tile, interpret=True)
     assert got.shape == (B, H, D)
     exact = mfa_reference(q, stored, bt, lens, block_size, scale)
     assert rel_err(got, exact) < 1e-2
@@ -395,4 +394,3 @@ def test_bench_kernels_script_smoke():
     for header in ("fused MoE", "MLA decode", "Step3 MFA"):
         assert header in out.stdout
     assert "failed" not in out.stdout and out.stdout.count("selected") >= 4
-

@@ -171,9 +171,13 @@ def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, blo
     return Choice("pallas", p, "forced" if forced else "gpu")
 
 
+def _fp8(cache_dtype) -> bool:
+    return jnp.dtype(cache_dtype).itemsize == 1
+
+
 def _slow_fp8(heads: int, cache_dtype) -> bool:
     """FP8 cache with 64+ heads: the page tile measured 0.42-0.53x the XLA path (H200, 128 heads)."""
-    return jnp.dtype(cache_dtype).itemsize == 1 and heads >= 64
+    return _fp8(cache_dtype) and heads >= 64
 
 
 def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, cache_dtype) -> dict:
@@ -187,10 +191,10 @@ def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, 
     do batches too small to fill the GPU with 32-head programs (then with 32-token tiles).
     FP8 cache: the whole-page tile, one or two pages a step (its select-after-load keeps the tile in
     registers, where 64 tokens would spill): 1.6-2.1x XLA at 16 heads; with 64+ heads "auto" keeps
-    XLA (``_slow_fp8``). ROCm: 32 tokens and one pipeline
-    stage (64 KB of LDS; not run: no AMD GPU here). The context is split until the programs fill the GPU."""
+    XLA (``_slow_fp8``). ROCm: 32 tokens and one pipeline stage (64 KB of LDS; not run: no AMD GPU
+    here). The context is split until the programs fill the GPU."""
     rocm, cpu = platform() == "rocm", platform() == "cpu"
-    fp8 = jnp.dtype(cache_dtype).itemsize == 1
+    fp8 = _fp8(cache_dtype)
     block_h = 16 if heads >= 16 or not cpu else 1 << max(heads - 1, 0).bit_length()
     block_t = 32 if rocm else 64
     if heads >= 32 and not fp8 and not rocm:
