@@ -19,6 +19,7 @@ GPU (JAX reserves most of the GPU's memory for itself once it starts).
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -236,7 +237,8 @@ def run_one(hf, parallel, kernels, a):
         raise SystemExit(f"no decode step was timed: --output-len {a.output_len} leaves no steps after "
                          f"{a.warmup} warm-up steps")
     memory = decode_memory(eng) if a.memory and not any(s.is_finished for s in seqs) else None
-    del m, eng
+    del m, eng, seqs
+    gc.collect()  # the engine's reference cycles hold the KV cache: free it before the next variant fills its own
     return times, memory
 
 
@@ -335,9 +337,23 @@ def main(argv=None):
     base = None
     floors: dict[str, float] = {}  # per layout (each traces the model's shapes once)
     results["runs_by_kernels"] = {}
+    def save():
+        if a.json:  # after every variant: a later one that fails loses nothing measured
+            with open(a.json, "w") as f:
+                json.dump(results, f, indent=2)
+
     for kern in kernel_modes:
         for p in a.parallel.split(","):
-            t, memory = run_one(hf, p, kern, a)
+            t0 = time.perf_counter()
+            try:
+                t, memory = run_one(hf, p, kern, a)
+            except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: record it, run the other variants
+                gc.collect()
+                why = str(e).strip().splitlines()[0][:300]
+                results.setdefault("failed", {}).setdefault(kern, {})[p] = why
+                print(f"{p:>12} [{kern}]: failed after {time.perf_counter() - t0:.0f} s: {why}")
+                save()
+                continue
             med = statistics.median(t)
             base = base or med
             fl = floors.setdefault(p, floor_for(p))
@@ -348,10 +364,12 @@ def main(argv=None):
             if kern == kernel_modes[0]:
                 results["runs"][p] = r
             print(f"{p:>12} [{kern}]: median step {med * 1e3:.3f} ms, p90 {r['p90_step_s'] * 1e3:.3f} ms, "
-                  f"{r['tok_per_s']:.0f} tok/s, {r['floor_fraction'] * 100:.1f}% of floor, x{r['vs_first']:.3f} vs first")
+                  f"{r['tok_per_s']:.0f} tok/s, {r['floor_fraction'] * 100:.1f}% of floor, x{r['vs_first']:.3f} vs first "
+                  f"({time.perf_counter() - t0:.0f} s with build and compile)")
             sys.stdout.flush()
+            save()
     a.kernels = kernel_modes[0]  # components use the first mode
-    if a.components:
+    if a.components and results["runs"]:
         comp = time_components(cfg, a, ctx, a.parallel.split(",")[0])
         step = results["runs"][a.parallel.split(",")[0]]["median_step_s"]
         comp["rest"] = max(step - sum(comp.values()), 0.0)
@@ -364,9 +382,7 @@ def main(argv=None):
         else:
             results["peer_note"] = peer_note
             print(f"peer: not run ({peer_note})")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+    save()
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 OFFLINE_FIELDS = ["preset", "layers", "concurrency", "input_len", "tok_per_s", "median_step_ms", "floor_ms",
-                  "floor_fraction", "xla_tok_per_s", "peer_tok_per_s", "device"]
+                  "floor_fraction", "xla_tok_per_s", "peer_tok_per_s", "device", "failed"]
 
 
 def offline_sweep(a) -> list[dict]:
@@ -127,18 +127,27 @@ def offline_sweep(a) -> list[dict]:
                 print(f"{name} c={c}: bench_decode failed; left out of the table", flush=True)
                 continue
             with open(out) as f:
-                rows.append(offline_row(json.load(f)))
+                row = offline_row(json.load(f))
+            if row is None:
+                print(f"{name} c={c}: moejax (auto) did not run; left out of the table", flush=True)
+            else:
+                rows.append(row)
     return write_offline(rows, a.out_dir, f"offline decode, input {a.random_input_len}")
 
 
-def offline_row(r: dict) -> dict:
-    """One CSV row from a bench_decode --json result (moejax auto vs the XLA baseline, None if not run)."""
-    auto = r["runs_by_kernels"]["auto"]["none"]
+def offline_row(r: dict) -> dict | None:
+    """One CSV row from a bench_decode --json result (moejax auto vs the XLA baseline, empty if not
+    run); None when moejax itself did not run. ``failed`` names the variants that failed, and why."""
+    auto = r["runs_by_kernels"].get("auto", {}).get("none")
+    if auto is None:
+        return None
     xla = r["runs_by_kernels"].get("xla", {}).get("none", {})
+    failed = "; ".join(f"{k}: {why}" for k, per in r.get("failed", {}).items() for why in per.values())
     return {"preset": r["preset"], "layers": r["layers"], "concurrency": r["concurrency"], "input_len": r["input_len"],
             "tok_per_s": auto["tok_per_s"], "median_step_ms": auto["median_step_s"] * 1e3,
             "floor_ms": r["floor_s"] * 1e3, "floor_fraction": auto["floor_fraction"],
-            "xla_tok_per_s": xla.get("tok_per_s"), "peer_tok_per_s": r.get("peer_tok_per_s"), "device": r["device"]}
+            "xla_tok_per_s": xla.get("tok_per_s"), "peer_tok_per_s": r.get("peer_tok_per_s"), "device": r["device"],
+            "failed": failed}
 
 
 def collect_offline(paths: list[str], out_dir: str) -> list[dict]:
@@ -151,6 +160,9 @@ def collect_offline(paths: list[str], out_dir: str) -> list[dict]:
     for p in paths:
         with open(p) as f:
             row = offline_row(json.load(f))
+        if row is None:
+            print(f"{p}: moejax (auto) did not run; left out")
+            continue
         key = (row["preset"], row["layers"], row["concurrency"], row["input_len"])
         for field in ("xla_tok_per_s", "peer_tok_per_s"):
             if row[field] is None and key in rows:

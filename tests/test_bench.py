@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+import jax
 import pytest
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
@@ -133,3 +134,26 @@ def test_random_fill_leaves_the_engine_as_a_prefill_would(tmp_path):
     assert e1.scheduler.running == s1 and e2.scheduler.running == s2
     kind, stepped = e2.step()
     assert kind == "decode" and stepped == s2 and [len(s) for s in s2] == [9, 18, 5]
+
+
+def test_a_failing_variant_is_recorded_and_the_others_kept(tmp_path, monkeypatch):
+    """bench_decode: a variant that fails on the device (here the XLA baseline out of memory, as it
+    was at Step3 c1024 on the H200) is recorded with its reason; the measured one stays in the JSON
+    and in the sweep table."""
+    import bench_decode
+    real = bench_decode.run_one
+
+    def run_one(hf, parallel, kernels, a):
+        if kernels == "xla":
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 48.38GiB")
+        return real(hf, parallel, kernels, a)
+
+    monkeypatch.setattr(bench_decode, "run_one", run_one)
+    out = tmp_path / "decode_v3-tiny_c2.json"
+    bench_decode.main(["--preset", "v3-tiny", "--concurrency", "2", "--input-len", "12", "--output-len", "10",
+                       "--steps", "2", "--kernels", "auto,xla", "--fill", "random", "--json", str(out)])
+    res = json.load(open(out))
+    assert res["runs_by_kernels"]["auto"]["none"]["tok_per_s"] > 0 and "xla" not in res["runs_by_kernels"]
+    assert res["failed"]["xla"]["none"].startswith("RESOURCE_EXHAUSTED")
+    (row,) = sweep.main(["--collect", str(out), "--out-dir", str(tmp_path / "t")])
+    assert row["xla_tok_per_s"] is None and row["failed"].startswith("xla: RESOURCE_EXHAUSTED")
