@@ -188,7 +188,7 @@ def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, 
     traffic: its [16 tokens x C] score dot let the warps re-read the same key tile, and one program
     per 16 heads re-read each page. 32-head blocks (64 with 128 heads spills) halve the page reads;
     16 heads take 16-head blocks (Triton dots need M >= 16; the CPU interpreter takes any), and so
-    do batches too small to fill the GPU with 32-head programs (then with 32-token tiles).
+    do batches too small for half a 32-head program per SM (then with 32-token tiles).
     FP8 cache: the whole-page tile, one or two pages a step (its select-after-load keeps the tile in
     registers, where 64 tokens would spill): 1.6-2.1x XLA at 16 heads; with 64+ heads "auto" keeps
     XLA (``_slow_fp8``). ROCm: 32 tokens and one pipeline stage (64 KB of LDS; not run: no AMD GPU
