@@ -337,6 +337,7 @@ def main(argv=None):
     base = None
     floors: dict[str, float] = {}  # per layout (each traces the model's shapes once)
     results["runs_by_kernels"] = {}
+
     def save():
         if a.json:  # after every variant: a later one that fails loses nothing measured
             with open(a.json, "w") as f:
@@ -344,12 +345,13 @@ def main(argv=None):
 
     for kern in kernel_modes:
         for p in a.parallel.split(","):
-            t0 = time.perf_counter()
+            t0, why = time.perf_counter(), None
             try:
                 t, memory = run_one(hf, p, kern, a)
             except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: record it, run the other variants
-                gc.collect()
                 why = str(e).strip().splitlines()[0][:300]
+            if why is not None:
+                gc.collect()  # only now: inside the except block its traceback still held the variant's cache
                 results.setdefault("failed", {}).setdefault(kern, {})[p] = why
                 print(f"{p:>12} [{kern}]: failed after {time.perf_counter() - t0:.0f} s: {why}")
                 save()
