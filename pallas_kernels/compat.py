@@ -15,9 +15,8 @@ from jax.experimental import pallas as pl  # noqa: F401  (re-exported for the ke
 from jax.experimental.pallas import triton as plt
 
 _PARAMS_CLS = getattr(plt, "CompilerParams", None) or getattr(plt, "TritonCompilerParams", None)
-if _PARAMS_CLS is None:  # pragma: no cover - a jax without either name
-    from jax.experimental import pallas as _pl
-    _PARAMS_CLS = getattr(_pl, "TritonCompilerParams")
+if _PARAMS_CLS is None:  # pragma: no cover - a jax that keeps the class on pallas itself
+    _PARAMS_CLS = getattr(pl, "TritonCompilerParams")
 
 INTERPRET_ENV = "MOEJAX_PALLAS_INTERPRET"
 

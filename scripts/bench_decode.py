@@ -32,10 +32,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.benchmark.ep import time_dispatch
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call
 from moejax.engine.sampling_params import SamplingParams
+from moejax.engine.sequence import Status
+from moejax.kernel_selection import kernel_mode
+from moejax.layers.experts import grouped_expert_mlp
+from moejax.layers.kv_quant import is_fp8_cache, quantize_rows
+from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention
+from moejax.models.registry import abstract_params, parse_model_config
+from moejax.parallel.config import ParallelConfig
+from moejax.parallel.sharding import make_mesh
 from moejax.tiny.presets import preset, with_layers
-from moejax.tiny.random_model import random_model
+from moejax.tiny.random_model import random_device_params, random_model
+from moejax.tiny.transformers_checkpoint import hf_classes
+from moejax.weights.param_tree import flatten, is_stacked_expert
 
 
 def step_floor(cfg, batch, ctx, itemsize=2, kv_itemsize=2, ranks=1):
@@ -46,8 +57,6 @@ def step_floor(cfg, batch, ctx, itemsize=2, kv_itemsize=2, ranks=1):
     embedding is a lookup) plus attention, 2 x 2 x heads x cache row per cached token.
     With ``ranks`` > 1 (DP attention + EP experts over a mesh) the bytes are the node's: each
     rank reads its own copy of the non-expert weights; divide by ranks x one card's rate."""
-    from moejax.weights.hf_names import flatten, is_stacked_expert
-    from moejax.weights.loader import abstract_params
     weights = active = 0
     for path, leaf in flatten(abstract_params(cfg, "bfloat16")).items():
         n = int(np.prod(leaf.shape))
@@ -67,12 +76,9 @@ def time_components(cfg, a, ctx, layout: str = "none"):
     each timed alone at one rank's shapes (one layer's op x the number of such layers); "rest" is
     the step minus all of them. Over a mesh, a rank attends its B/N sequences and its E/N experts
     compute B/N x top-k rows (uniform routing)."""
-    import jax
-    from moejax.kernels.selection import kernel_mode
     key = jax.random.key(1)
     ranks = 1
     if layout != "none":
-        from moejax.parallel.config import ParallelConfig
         pc = ParallelConfig.load(layout)
         ranks = pc.num_ranks
     B, L = -(-a.concurrency // ranks), cfg.num_hidden_layers
@@ -82,14 +88,12 @@ def time_components(cfg, a, ctx, layout: str = "none"):
     out = {}
     with kernel_mode(a.kernels):
         if hasattr(cfg, "kv_lora_rank"):
-            from moejax.layers.mla_decode import mla_decode_attention
             C, R, nh = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
             cache = (0.1 * jax.random.normal(key, (B * nb * bs, C + R))).astype(jnp.bfloat16)
             q = (0.1 * jax.random.normal(key, (B, nh, C + R))).astype(jnp.bfloat16)
             tables = jnp.arange(B * nb, dtype=jnp.int32).reshape(B, nb)
             fn = jax.jit(lambda q, c, t, l: mla_decode_attention(q[..., :C], q[..., C:], c, t, l, bs, 0.1))
         else:
-            from moejax.layers.mfa import mfa_decode_attention
             D = cfg.head_dim
             cache = (0.1 * jax.random.normal(key, (B * nb * bs, 2 * D))).astype(jnp.bfloat16)
             q = (0.1 * jax.random.normal(key, (B, cfg.num_attention_heads, D))).astype(jnp.bfloat16)
@@ -98,7 +102,6 @@ def time_components(cfg, a, ctx, layout: str = "none"):
         lens = jnp.full((B,), ctx, jnp.int32)
         out["attention"] = L * time_call(fn, q, cache, tables, lens)
         if n_moe:
-            from moejax.layers.experts import grouped_expert_mlp
             E, H, I, k = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
             El = E // ranks
             w = lambda s: (0.02 * jax.random.normal(key, s)).astype(jnp.bfloat16)  # noqa: E731
@@ -107,8 +110,6 @@ def time_components(cfg, a, ctx, layout: str = "none"):
             fn = jax.jit(grouped_expert_mlp)
             out["moe"] = n_moe * time_call(fn, x, sizes, w((El, H, I)), w((El, H, I)), w((El, I, H)))
             if ranks > 1:
-                from moejax.benchmark.ep import time_dispatch
-                from moejax.parallel.sharding import make_mesh
                 t, _ = time_dispatch(make_mesh(ranks), pc.moe_backend, B, H, E, k)
                 out["dispatch_combine"] = n_moe * t
     return out
@@ -117,9 +118,8 @@ def time_components(cfg, a, ctx, layout: str = "none"):
 def run_peer(hf, a):
     """HF transformers (PyTorch, bf16, its own generate with a static cache) at the same batch and
     lengths: decode tokens/s with its prefill subtracted. DeepSeek families only (no Step3 in HF)."""
-    import torch
-    from moejax.tiny.transformers_checkpoint import _classes
-    cfg_cls, model_cls = _classes(hf["model_type"])
+    import torch  # optional: only the peer needs it
+    cfg_cls, model_cls = hf_classes(hf["model_type"])
     kw = {k: v for k, v in hf.items() if k not in ("architectures", "model_type")}
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(dev):
@@ -148,8 +148,6 @@ def fill_without_prefill(eng, seed: int = 0) -> None:
     marked cached, one token appended, and the whole cache written with random rows (values of
     the scale a normalised latent has). Decode then does exactly the work it does after a real
     prefill of that length; only the cached values differ."""
-    from moejax.engine.sequence import Status
-    from moejax.layers.kv_quant import is_fp8_cache, quantize_rows
     sch, rng = eng.scheduler, np.random.default_rng(seed)
     while sch.waiting:
         seq = sch.waiting.popleft()
@@ -202,11 +200,8 @@ def peer_in_child(argv) -> tuple[float | None, str | None]:
 
 
 def run_one(hf, parallel, kernels, a):
-    from moejax.config import ModelConfig
-    from moejax.tiny.random_model import random_device_params
     if "params" not in _PARAMS:
-        _PARAMS["params"] = random_device_params(ModelConfig.from_dict(hf), a.dtype)
-    from moejax.parallel.config import ParallelConfig
+        _PARAMS["params"] = random_device_params(parse_model_config(hf), a.dtype)
     ranks = 1 if parallel == "none" else ParallelConfig.load(parallel).num_ranks
     per_rank = -(-a.concurrency // ranks)  # --concurrency is over the node; sizes below are per rank
     m = random_model(hf, a.dtype, parallel=None if parallel == "none" else parallel, kernels=kernels,
@@ -216,7 +211,7 @@ def run_one(hf, parallel, kernels, a):
                      num_kv_blocks=per_rank * (-(-(a.input_len + a.output_len + 16) // 16)))
     eng = m.engine
     rng = np.random.default_rng(0)
-    seqs = [eng.add_request(rng.integers(2, m.config.vocab_size, size=a.input_len).tolist(),
+    seqs = [eng.add_request(rng.integers(2, m.config.model.vocab_size, size=a.input_len).tolist(),
                             SamplingParams(max_new_tokens=a.output_len, ignore_eos=True)) for _ in range(a.concurrency)]
     if a.fill == "random":
         fill_without_prefill(eng)
@@ -301,8 +296,7 @@ def main(argv=None):
     for kv in a.set:
         k, v = kv.split("=", 1)
         hf[k] = json.loads(v)
-    from moejax.config import ModelConfig
-    cfg = ModelConfig.from_dict(hf)
+    cfg = parse_model_config(hf)
     if a.peer_only:  # child process: no JAX device use at all
         tps = run_peer(hf, a)
         with open(a.json, "w") as f:
@@ -327,7 +321,6 @@ def main(argv=None):
         """One device's floor, or the node's over a mesh (each card measured like this one)."""
         if layout == "none":
             return floor
-        from moejax.parallel.config import ParallelConfig
         n = ParallelConfig.load(layout).num_ranks
         b, f = step_floor(cfg, a.concurrency, ctx, kv_itemsize=kv_itemsize, ranks=n)
         return max(b / (n * bw), f / (n * rate))

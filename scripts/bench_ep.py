@@ -37,9 +37,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from moejax import generate  # noqa: E402
+from moejax.benchmark.ep import all_to_all_rate, time_dispatch  # noqa: E402
+from moejax.engine.sampling_params import SamplingParams  # noqa: E402
+from moejax.models.registry import parse_model_config  # noqa: E402
 from moejax.parallel.dispatch import BACKENDS  # noqa: E402
 from moejax.parallel.sharding import make_mesh  # noqa: E402
 from moejax.tiny.presets import preset  # noqa: E402
+from moejax.tiny.random_model import random_device_params, random_model  # noqa: E402
+from moejax.weights.param_tree import flatten, unflatten  # noqa: E402
 
 
 def backends() -> list[str]:
@@ -57,7 +63,6 @@ def layout(n: int, backend: str, **extra) -> str:
 
 def skew_router(params, bias: np.ndarray):
     """Adds ``bias`` [E] to every MoE layer's e_score_correction_bias (selection only, not weights)."""
-    from moejax.weights.hf_names import flatten, unflatten
     flat = flatten(params)
     for path in flat:
         if path[-1] == "e_score_correction_bias":
@@ -74,18 +79,14 @@ def model_config(a, n: int) -> dict:
 
 
 def load(hf, params, parallel=None, **kw):
-    from moejax.tiny.random_model import random_model
     return random_model(hf, "float32", parallel=parallel, params=params, **{"max_model_len": 128, "max_num_seqs": 8,
                                                                             **kw})
 
 
 def cmd_check(a, n: int) -> int:
-    from moejax import generate
-    from moejax.config import ModelConfig
-    from moejax.tiny.random_model import random_device_params
     jax.config.update("jax_default_matmul_precision", "highest")
     hf = model_config(a, n)
-    cfg = ModelConfig.from_dict(hf)
+    cfg = parse_model_config(hf)
     base = random_device_params(cfg, "float32", seed=1, std=0.1)
     rng = np.random.default_rng(0)
     ids = rng.integers(2, cfg.vocab_size, size=(8, 21))
@@ -118,7 +119,6 @@ def cmd_check(a, n: int) -> int:
 
 
 def cmd_dispatch(a, n: int) -> int:
-    from moejax.benchmark.ep import all_to_all_rate, time_dispatch
     mesh = make_mesh(n)
     H, E, k = (64, 4 * n, 4) if a.smoke else (7168, 256, 8)
     print(f"ranks {n}, hidden {H}, {E} experts top-{k}, bf16 activations; per MoE layer, dispatch + combine")
@@ -134,11 +134,8 @@ def cmd_dispatch(a, n: int) -> int:
 
 
 def cmd_eplb(a, n: int) -> int:
-    from moejax.config import ModelConfig
-    from moejax.engine.sampling_params import SamplingParams
-    from moejax.tiny.random_model import random_device_params
     hf = model_config(a, n)
-    cfg = ModelConfig.from_dict(hf)
+    cfg = parse_model_config(hf)
     E = cfg.n_routed_experts
     bias = -a.skew * np.log1p(np.arange(E))  # popularity falls with the expert id: contiguous ranks skew
     params = skew_router(random_device_params(cfg, "float32", seed=2, std=0.1), bias)

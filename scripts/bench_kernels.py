@@ -26,24 +26,23 @@ import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
-from moejax.kernels.selection import kernel_mode, platform, select_mla, select_moe  # noqa: E402
+from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call  # noqa: E402
+from moejax.kernel_selection import kernel_mode, platform, select_mfa, select_mla, select_moe  # noqa: E402
 from moejax.layers.experts import grouped_expert_mlp  # noqa: E402
 from moejax.layers.kv_quant import cache_row_dim, quantize_rows  # noqa: E402
-from moejax.layers.mla_decode import mla_decode_attention  # noqa: E402
+from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention  # noqa: E402
 from pallas_kernels.fused_moe import fused_moe  # noqa: E402
-from pallas_kernels.mla_decode import mla_decode_pallas  # noqa: E402
+from pallas_kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
 
 BF16 = jnp.bfloat16
 
 
 def bench(fn, *args, iters=20, warmup=3):
     """Median seconds per call of a jitted fn (compile excluded)."""
-    from moejax.benchmark.roofline import time_call
     return time_call(fn, *args, iters=iters, warmup=warmup)
 
 
 def measure_card(smoke: bool):
-    from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate
     return (measure_copy_bandwidth(1 << 20), measure_matmul_rate(256)) if smoke else \
         (measure_copy_bandwidth(), measure_matmul_rate())
 
@@ -169,7 +168,7 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
                 p = select_mla(B, H, C, R, nb * bs, bs, cache.dtype).params
             configs = [p] + ([dict(p, **g) for g in expand(grid or MLA_GRID)] if sweep and kv in kvs_sweep else [])
             for i, c in enumerate(configs):
-                f = jax.jit(functools.partial(mla_decode_pallas, block_size=bs, scale=scale, layer=0, **c,
+                f = jax.jit(functools.partial(paged_decode_attention, block_size=bs, scale=scale, layer=0, **c,
                                               interpret=interpret))
                 try:
                     t_p = bench(f, ql, qr, cache, bt, lens)
@@ -190,8 +189,6 @@ def run_mfa(batches, ctx, bw, rate, sweep, smoke, interpret, grid=None):
     """Step3 MFA decode attention: 64 query heads against one 256-dim K/V head per token, XLA path
     and the Pallas pages kernel (values at column 256), against the bytes it must read (the batch's
     [k|v] rows, once) and its FLOPs."""
-    from moejax.kernels.selection import select_mfa
-    from moejax.layers.mfa import mfa_decode_attention
     nh, D, bs = (16, 16, 4) if smoke else (64, 256, 16)
     print(f"\n== Step3 MFA decode attention, {nh} heads x {D}, 1 KV head, context {ctx}, bf16 cache ==")
     print(f"{'B':>4} {'floor us':>9} {'xla us':>9} {'pallas us':>9} {'xla TB/s':>8} {'pal TB/s':>8} {'xla/pal':>7} "
@@ -213,7 +210,7 @@ def run_mfa(batches, ctx, bw, rate, sweep, smoke, interpret, grid=None):
         configs = [p] + ([dict(p, **g) for g in expand(grid or MFA_GRID)] if sweep else [])
         for i, c in enumerate(configs):
             kw = dict(block_size=bs, scale=D ** -0.5, layer=0, v_offset=D, **c, interpret=interpret)
-            f = jax.jit(lambda q, c_, t, l, kw=kw: mla_decode_pallas(q, None, c_, t, l, **kw))
+            f = jax.jit(lambda q, c_, t, l, kw=kw: paged_decode_attention(q, None, c_, t, l, **kw))
             try:
                 t_p = bench(f, q, cache, tables, lens)
             except Exception as e:

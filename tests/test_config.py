@@ -2,12 +2,12 @@ import json
 
 import pytest
 
-from moejax.config import ModelConfig
+from moejax.models.registry import load_model_config, parse_model_config
 from moejax.tiny.presets import preset
 
 
 def test_v3_fields():
-    c = ModelConfig.from_dict(preset("deepseek-v3"))
+    c = parse_model_config(preset("deepseek-v3"))
     assert (c.q_lora_rank, c.kv_lora_rank, c.kv_cache_dim) == (1536, 512, 576)
     assert (c.scoring_func, c.topk_method, c.n_group, c.topk_group, c.num_experts_per_tok) == ("sigmoid", "noaux_tc", 8, 4, 8)
     assert c.norm_topk_prob and c.routed_scaling_factor == 2.5 and c.first_k_dense_replace == 3
@@ -17,7 +17,7 @@ def test_v3_fields():
 
 
 def test_v2_lite_fields():
-    c = ModelConfig.from_dict(preset("deepseek-v2-lite"))
+    c = parse_model_config(preset("deepseek-v2-lite"))
     assert c.q_lora_rank is None and c.scoring_func == "softmax" and c.topk_method == "greedy"
     assert (c.n_routed_experts, c.num_experts_per_tok, c.n_shared_experts, c.first_k_dense_replace) == (64, 6, 2, 1)
     assert not c.norm_topk_prob
@@ -27,7 +27,7 @@ def test_transformers_v5_rope_parameters_accepted():
     d = preset("v3-tiny")
     rs = d.pop("rope_scaling")
     d["rope_parameters"] = {**rs, "rope_type": "yarn", "rope_theta": d.pop("rope_theta")}
-    c = ModelConfig.from_dict(d)
+    c = parse_model_config(d)
     assert c.rope.type == "yarn" and c.rope.theta == 10000.0
 
 
@@ -48,23 +48,23 @@ def test_bad_fields_are_named(field, value, needle):
     d = preset("v3-tiny")
     d[field] = value
     with pytest.raises(ValueError, match=needle):
-        ModelConfig.from_dict(d)
+        parse_model_config(d)
 
 
 def test_missing_field_named():
     d = preset("v2-lite-tiny")
     del d["kv_lora_rank"]
     with pytest.raises(ValueError, match="kv_lora_rank"):
-        ModelConfig.from_dict(d)
+        parse_model_config(d)
 
 
 def test_unsupported_rope_type_named():
     d = preset("v3-tiny")
     d["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
     with pytest.raises(ValueError, match="rope_scaling"):
-        ModelConfig.from_dict(d)
+        parse_model_config(d)
 
 
 def test_from_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(preset("v3-tiny")))
-    assert ModelConfig.from_file(str(tmp_path)).model_type == "deepseek_v3"
+    assert load_model_config(str(tmp_path)).model_type == "deepseek_v3"

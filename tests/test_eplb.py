@@ -72,7 +72,7 @@ def test_rebalance_keeps_logits_and_counts_match_prediction(ckpt, tmp_path, redu
     kw = dict(max_new_tokens=12, ignore_eos=True, logprobs=True)
     before_logits = m.score(ids)
     before = moejax.generate(m, prompts, **kw)
-    bal = m.engine.runner.eplb
+    bal = m.engine.balancer
     # The dispatch measured in the steps agrees with what the placement predicts from the counts.
     measured, predicted = bal.measured_rank_loads(), bal.predicted_rank_loads()
     assert measured.sum() == bal.window_load().sum() > 0
@@ -101,13 +101,13 @@ def test_online_rebalance_mid_stream_changes_no_token(ckpt, tmp_path):
     m = _load(ckpt, _layout(tmp_path, redundant=8, interval=5))
     traces_before = None
     got = [r.token_ids for r in moejax.generate(m, prompts, **kw)]
-    runner = m.engine.runner
-    assert runner.eplb.num_rebalances >= 3
+    runner, balancer = m.engine.runner, m.engine.balancer
+    assert balancer.num_rebalances >= 3
     assert got == want
     traces_before = dict(runner.trace_counts)
-    rebalances = runner.eplb.num_rebalances
+    rebalances = balancer.num_rebalances
     moejax.generate(m, prompts[::-1], **kw)  # more rebalances; same bucket shapes
-    assert runner.eplb.num_rebalances > rebalances
+    assert balancer.num_rebalances > rebalances
     assert runner.trace_counts["decode"] == traces_before["decode"]
 
 
@@ -121,7 +121,7 @@ def test_balancedness_in_metrics(ckpt, tmp_path):
     parsed = parse_metrics(metrics.render())
     overall = next(v for k, v in parsed.items() if k.startswith("moejax:eplb_balancedness{") and 'layer="all"' in k)
     layers = [v for k, v in parsed.items() if k.startswith("moejax:eplb_balancedness{") and 'layer="all"' not in k]
-    bal = m.engine.runner.eplb
+    bal = m.engine.balancer
     assert len(layers) == len(bal.names) and 0 < overall <= 1
     assert abs(overall - bal.balancedness()[1]) < 1e-9
 

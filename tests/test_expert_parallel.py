@@ -71,8 +71,8 @@ def test_ep_matches_single_device(checkpoints, tmp_path, routing, n, backend):
 
 def test_adversarial_routing_really_hits_one_rank(checkpoints):
     from moejax.layers.router import select_experts
-    from moejax.config import ModelConfig
-    cfg = ModelConfig.from_dict(CFG)
+    from moejax.models.registry import parse_model_config
+    cfg = parse_model_config(CFG)
     m = _load(checkpoints["adversarial"])
     router = m.params["layers_1"]["mlp"]["gate"]
     x = np.random.default_rng().standard_normal((64, cfg.hidden_size)).astype(np.float32)

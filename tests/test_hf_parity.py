@@ -19,9 +19,9 @@ def _hf_logits(ref, ids):
 def test_score_matches_hf_float32(hf_checkpoints, family):
     path, ref = hf_checkpoints[family]
     model = moejax.load(path, dtype="float32", max_model_len=128, max_num_seqs=4, progress=False)
-    ids = np.random.default_rng().integers(0, model.config.vocab_size, size=(2, 23))
+    ids = np.random.default_rng().integers(0, model.config.model.vocab_size, size=(2, 23))
     ours = model.score(ids)
-    assert ours.shape == (2, 23, model.config.vocab_size) and ours.dtype == np.float32
+    assert ours.shape == (2, 23, model.config.model.vocab_size) and ours.dtype == np.float32
     assert rel_err(ours, _hf_logits(ref, ids)) < 1e-4
 
 
@@ -29,7 +29,7 @@ def test_score_matches_hf_float32(hf_checkpoints, family):
 def test_score_bfloat16_within_tolerance(hf_checkpoints, family):
     path, ref = hf_checkpoints[family + "-std"]
     model = moejax.load(path, dtype="bfloat16", max_model_len=128, max_num_seqs=4, progress=False)
-    ids = np.random.default_rng().integers(0, model.config.vocab_size, size=(2, 19))
+    ids = np.random.default_rng().integers(0, model.config.model.vocab_size, size=(2, 19))
     assert rel_err(model.score(ids), _hf_logits(ref, ids)) < 2e-2
 
 
@@ -38,7 +38,7 @@ def test_greedy_generate_matches_hf(hf_checkpoints, family):
     path, ref = hf_checkpoints[family]
     model = moejax.load(path, dtype="float32", max_model_len=128, max_num_seqs=4, progress=False)
     rng = np.random.default_rng()
-    prompts = [rng.integers(2, model.config.vocab_size, size=n).tolist() for n in (5, 11, 17)]
+    prompts = [rng.integers(2, model.config.model.vocab_size, size=n).tolist() for n in (5, 11, 17)]
     ours = moejax.generate(model, prompts, max_new_tokens=32)
     for p, r in zip(prompts, ours):
         with torch.no_grad():
@@ -54,7 +54,7 @@ def test_decode_path_matches_prefill_path(hf_checkpoints, family):
     path, _ = hf_checkpoints[family]
     model = moejax.load(path, dtype="float32", max_model_len=128, max_num_seqs=4, block_size=4, progress=False)
     rng = np.random.default_rng()
-    prompt = rng.integers(2, model.config.vocab_size, size=9).tolist()
+    prompt = rng.integers(2, model.config.model.vocab_size, size=9).tolist()
     r = moejax.generate(model, [prompt], max_new_tokens=20, temperature=1.0, seed=int(rng.integers(1 << 30)),
                         logprobs=True, ignore_eos=True)[0]
     full = prompt + r.token_ids

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernels.selection import kernel_mode, select_mla, select_moe
+from moejax.kernel_selection import kernel_mode, select_mla, select_moe
 from moejax.layers.kv_quant import cache_row_dim, dequantize_rows, quantize_rows
 from pallas_kernels.fused_moe import fused_moe
-from pallas_kernels.mla_decode import mla_decode_pallas
+from pallas_kernels.paged_decode_attention import paged_decode_attention
 
 BF16 = jnp.bfloat16
 
@@ -114,7 +114,7 @@ def test_mla_decode_matches_reference(kv, B, H, C, R, block_size, nb, lens, bloc
     else:
         cache = quantize_rows(values, cache_row_dim(C + R, "fp8"))
         stored = dequantize_rows(cache[1], C + R)
-    got = mla_decode_pallas(ql, qr, cache, bt, lens, block_size=block_size, scale=scale, layer=1, block_h=block_h,
+    got = paged_decode_attention(ql, qr, cache, bt, lens, block_size=block_size, scale=scale, layer=1, block_h=block_h,
                             block_t=block_t, num_splits=splits, tile=tile, interpret=True)
     assert got.shape == (B, H, C) and got.dtype == jnp.float32
     # against the exact attention over what the cache holds
@@ -160,7 +160,7 @@ def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, 
     else:
         cache = quantize_rows(values, cache_row_dim(2 * D, "fp8"))
         stored = dequantize_rows(cache[1], 2 * D)
-    got = mla_decode_pallas(q, None, cache, bt, lens, block_size=block_size, scale=scale, layer=1, v_offset=D,
+    got = paged_decode_attention(q, None, cache, bt, lens, block_size=block_size, scale=scale, layer=1, v_offset=D,
                             block_h=block_h, block_t=block_t, num_splits=splits, tile=tile, interpret=True)
     assert got.shape == (B, H, D)
     exact = mfa_reference(q, stored, bt, lens, block_size, scale)
@@ -169,7 +169,7 @@ def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, 
         unq = mfa_reference(q, values[1], bt, lens, block_size, scale)
         assert rel_err(got, unq) < max(3e-2, rel_err(exact, unq) + 5e-3)
     # the model's entry point: the XLA path (auto on CPU) and the forced kernel agree
-    from moejax.layers.mfa import mfa_decode_attention
+    from moejax.layers.paged_attention import mfa_decode_attention
     fn = functools.partial(mfa_decode_attention, block_size=block_size, scale=scale, num_kv_heads=1, layer=1)
     with kernel_mode("xla"):
         ref = jax.jit(fn)(q, cache, bt, lens)
@@ -181,8 +181,8 @@ def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, 
 def test_fp8_selection_on_gpu(monkeypatch):
     """auto on a GPU: an FP8 cache with 64+ heads stays on XLA (the page tile timed slower there),
     16 heads take the page tile; bf16 takes the gather tile; "pallas" still forces the kernel."""
-    from moejax.kernels import selection
-    from moejax.kernels.selection import select_mfa
+    from moejax import kernel_selection as selection
+    from moejax.kernel_selection import select_mfa
     FP8 = jnp.float8_e4m3fn
     monkeypatch.setattr(selection, "platform", lambda: "cuda")
     with kernel_mode("auto"):
@@ -195,8 +195,8 @@ def test_fp8_selection_on_gpu(monkeypatch):
 
 
 def test_mfa_selection(monkeypatch):
-    from moejax.kernels import selection
-    from moejax.kernels.selection import select_mfa
+    from moejax import kernel_selection as selection
+    from moejax.kernel_selection import select_mfa
     with kernel_mode("auto"):
         assert select_mfa(32, 64, 256, 1, 4096, 16, BF16).impl == "xla"  # CPU
         for gpu in ("cuda", "rocm"):  # a GPU: the gather tile (timed faster than XLA on the H200)
@@ -217,13 +217,13 @@ def test_mfa_selection(monkeypatch):
         assert c.impl == "pallas" and c.params["tile"] == "gather"
         assert select_mfa(32, 64, 256, 2, 4096, 16, BF16).impl == "xla"  # grouped K/V heads: XLA
     with pytest.raises(ValueError, match="tile must be"):
-        mla_decode_pallas(jnp.zeros((1, 16, 16), BF16), None, jnp.zeros((32, 32), BF16), jnp.zeros((1, 2), jnp.int32),
+        paged_decode_attention(jnp.zeros((1, 16, 16), BF16), None, jnp.zeros((32, 32), BF16), jnp.zeros((1, 2), jnp.int32),
                           jnp.ones((1,), jnp.int32), block_size=16, scale=1.0, tile="rows")
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_xla_path_reads_fp8_cache_and_matches_pallas(kv):
-    from moejax.layers.mla_decode import mla_decode_attention
+    from moejax.layers.paged_attention import mla_decode_attention
     B, H, C, R, bs, nb = 3, 16, 32, 16, 4, 6
     values, ql, qr, bt = mla_inputs(5, B, H, C, R, bs, nb)
     lens = jnp.asarray([3, 24, 11], jnp.int32)
@@ -295,7 +295,7 @@ def test_kernels_lower_to_triton(platform):
                      S((4, 24, 40), BF16)).lower(lowering_platforms=(platform,))
     B, NH, C, R, bs, nb = 64, 128, 512, 64, 16, 128
     for (dt, D), tile in itertools.product(((BF16, 576), (jnp.float8_e4m3fn, 592)), ("gather", "pages")):
-        f = functools.partial(mla_decode_pallas, block_size=bs, scale=0.1, layer=3, num_splits=4, tile=tile,
+        f = functools.partial(paged_decode_attention, block_size=bs, scale=0.1, layer=3, num_splits=4, tile=tile,
                               block_h=64 if tile == "pages" else 16, interpret=False)
         text = jax.jit(f).trace(S((B, NH, C), BF16), S((B, NH, R), BF16), S((4, 8192, D), dt), S((B, nb), jnp.int32),
                                 S((B,), jnp.int32)).lower(lowering_platforms=(platform,)).as_text()
@@ -303,7 +303,7 @@ def test_kernels_lower_to_triton(platform):
     # Step3 MFA: no rope part, values at column 256 (the gather tile's masked gathers are GPU-only:
     # the interpreter on CPU selects after the load instead, so only this lowering checks them)
     for tile, extra in (("pages", {}), ("gather", dict(block_h=32, block_t=64))):
-        text = jax.jit(lambda q, c, t, l: mla_decode_pallas(
+        text = jax.jit(lambda q, c, t, l: paged_decode_attention(
             q, None, c, t, l, block_size=bs, scale=0.1, layer=1, v_offset=256, tile=tile, interpret=False,
             **extra)).trace(S((B, 64, 256), BF16), S((2, 8192, 512), BF16), S((B, nb), jnp.int32), S((B,), jnp.int32)
                             ).lower(lowering_platforms=(platform,)).as_text()

@@ -338,7 +338,7 @@ class _DyingEngine:
 
 def test_health_503_once_engine_dead(ref):
     aengine = AsyncEngine(_DyingEngine(), "dying").start()
-    ctx = ServingContext(("dying",), ref.tokenizer, MAX_LEN, ref.config.vocab_size)
+    ctx = ServingContext(("dying",), ref.tokenizer, MAX_LEN, ref.config.model.vocab_size)
     srv = ServerThread(app=build_app(aengine, ctx)).start()
     try:
         with urllib.request.urlopen(srv.url + "/health") as r:

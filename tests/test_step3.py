@@ -174,11 +174,11 @@ def _prompt(seed, n):
 # Config
 # ----------------------------------------------------------------------------------------------
 def test_published_config_shapes():
-    from moejax.config import ModelConfig, load_model_config
-    from moejax.weights.hf_names import flatten
-    from moejax.weights.loader import abstract_params
-    cfg = load_model_config(preset("step3"))
-    assert ModelConfig.from_dict(preset("step3")) == cfg
+    from moejax.models.registry import abstract_params, parse_model_config
+    from moejax.models.step3 import Step3Config
+    from moejax.weights.param_tree import flatten
+    cfg = parse_model_config(preset("step3"))
+    assert Step3Config.from_dict(preset("step3")) == cfg  # the registry picks the family's own parser
     assert cfg.kv_cache_dim == 512 and cfg.n_routed_experts == 48 and cfg.num_experts_per_tok == 3
     assert cfg.moe_layers == tuple(range(4, 60))
     assert [cfg.is_moe_layer(i) for i in (0, 3, 4, 59, 60)] == [False, False, True, True, False]
@@ -199,13 +199,13 @@ def test_published_config_shapes():
 
 
 def test_vl_config_and_list_moe_layers():
-    from moejax.config import load_model_config
+    from moejax.models.registry import parse_model_config
     text = preset("step3-tiny", moe_layers_enum=[2, 1])
     text.pop("eos_token_id")
     vl = {"model_type": "step3_vl", "architectures": ["Step3VLForConditionalGeneration"], "text_config": text,
           "vision_config": {"hidden_size": 8}, "understand_projector_stride": 2, "projector_bias": False,
           "image_token_id": 7, "eos_token_id": [1, 2]}
-    cfg = load_model_config(vl)
+    cfg = parse_model_config(vl)
     assert cfg.model_type == "step3_vl" and cfg.moe_layers == (1, 2) and cfg.eos_token_ids == (1, 2)
 
 
@@ -223,19 +223,19 @@ def test_vl_config_and_list_moe_layers():
     ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
 ])
 def test_bad_configs_are_named(change, needle):
-    from moejax.config import load_model_config
+    from moejax.models.registry import parse_model_config
     with pytest.raises(ValueError, match=needle):
-        load_model_config({**CFG, **change})
+        parse_model_config({**CFG, **change})
 
 
 def test_bad_vl_configs_are_named():
-    from moejax.config import load_model_config
+    from moejax.models.registry import parse_model_config
     with pytest.raises(ValueError, match="text_config"):
-        load_model_config({"model_type": "step3_vl", "vision_config": {}})
+        parse_model_config({"model_type": "step3_vl", "vision_config": {}})
     with pytest.raises(ValueError, match="text_config.share_q_dim"):
-        load_model_config({"model_type": "step3_vl", "text_config": {**CFG, "share_q_dim": -1}})
+        parse_model_config({"model_type": "step3_vl", "text_config": {**CFG, "share_q_dim": -1}})
     with pytest.raises(ValueError, match="mystery"):
-        load_model_config({"model_type": "step3_vl", "text_config": CFG, "mystery": 1})
+        parse_model_config({"model_type": "step3_vl", "text_config": CFG, "mystery": 1})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,10 +275,10 @@ def test_greedy_generate_matches_reference_and_decode_matches_prefill(model, ref
 def test_pallas_mfa_decode_matches_reference(ckpt, model, ref, monkeypatch):
     """The decode steps through the Pallas kernels (interpret mode on CPU; MFA through the pages
     kernel with values at column D): the same greedy tokens as the float64 reference."""
-    import pallas_kernels.mla_decode as kernel_module
+    from moejax import kernel_selection  # where the model reaches the kernel
     traced = []
-    real = kernel_module.mla_decode_pallas
-    monkeypatch.setattr(kernel_module, "mla_decode_pallas", lambda *a, **kw: traced.append(kw) or real(*a, **kw))
+    real = kernel_selection.paged_decode_attention
+    monkeypatch.setattr(kernel_selection, "paged_decode_attention", lambda *a, **kw: traced.append(kw) or real(*a, **kw))
     m = _load(ckpt, kernels="pallas")
     prompts = [_prompt(6, 7), _prompt(7, 3)]
     out = moejax.generate(m, prompts, max_new_tokens=6, ignore_eos=True, logprobs=True)
@@ -302,7 +302,7 @@ def test_fp8_checkpoint_dequantised_on_load(tmp_path):
 
 def test_decode_attention_reads_the_cache_once():
     """One gather of the sequence's rows for all heads, equal to per-head attention."""
-    from moejax.layers.mfa import mfa_decode_attention
+    from moejax.layers.paged_attention import mfa_decode_attention
     rng = np.random.default_rng(0)
     B, nh, D, bs, nb, slots = 3, 8, 16, 4, 3, 64
     q = rng.standard_normal((B, nh, D)).astype(np.float32)

@@ -10,11 +10,15 @@ import dataclasses
 import random
 import time
 
+from tqdm.auto import tqdm
+
+from moejax.config import EngineConfig
 from moejax.engine.block_manager import BlockManager
 from moejax.engine.model_runner import ModelRunner
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.scheduler import Scheduler
 from moejax.engine.sequence import Sequence
+from moejax.eplb.balancer import ExpertLoadBalancer
 
 
 @dataclasses.dataclass
@@ -33,12 +37,16 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer, eos_token_ids: tuple[int, ...], max_prefill_tokens: int):
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer, eos_token_ids: tuple[int, ...],
+                 balancer: ExpertLoadBalancer):
+        self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
+        self.balancer = balancer  # sees every step's expert counts; rebalances if the layout asks
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, runner.num_ranks, runner.max_num_seqs)
-        self.scheduler = Scheduler(self.blocks, runner.max_num_seqs * runner.num_ranks, max_prefill_tokens)
+        self.scheduler = Scheduler(self.blocks, runner.max_num_seqs * runner.num_ranks,
+                                   config.scheduler.max_prefill_tokens)
         self.stats = EngineStats()
         self._rng = random.Random()
 
@@ -81,8 +89,7 @@ class LLMEngine:
         else:
             toks, lps = self.runner.decode(seqs)
         dt = time.perf_counter() - t0
-        if getattr(self.runner, "eplb", None) is not None:
-            self.runner.eplb.record()  # expert counts of this step; may rebalance between steps
+        self.balancer.record()  # expert counts of this step; may rebalance between steps
         if kind == "prefill":
             self.stats.prefill_steps += 1
             self.stats.prefill_tokens += sum(len(s) for s in seqs)
@@ -120,7 +127,6 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def run_to_completion(self, seqs: list[Sequence], progress: bool = False) -> None:
-        from tqdm.auto import tqdm
         total = sum(s.params.max_new_tokens for s in seqs)
         with tqdm(total=total, desc="Generating", unit="tok", disable=not progress) as bar:
             while any(not s.is_finished for s in seqs):

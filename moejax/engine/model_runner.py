@@ -19,35 +19,58 @@ import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
+from moejax.config import EngineConfig
 from moejax.engine.sequence import Sequence
+from moejax.layers.kv_quant import cache_row_dim, cache_storage_dtype, stored_row_dim
 from moejax.layers.sampler import sample
-from moejax.parallel.sharding import AXIS, param_specs
+from moejax.parallel.sharding import RANK, REPLICATED, param_specs
 
 
 def next_pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
+def default_num_blocks(config: EngineConfig) -> int:
+    """KV blocks per rank: all of max_num_seqs at max_model_len, capped by free device memory."""
+    cfg, cache, sched = config.model, config.cache, config.scheduler
+    row_bytes = (cache_row_dim(cfg.kv_cache_dim, cache.kv_cache_dtype)
+                 * cache_storage_dtype(cache.kv_cache_dtype, config.dtype).itemsize)
+    per_block = cfg.num_hidden_layers * cache.block_size * row_bytes
+    per_seq = -(-sched.max_model_len // cache.block_size)
+    want = sched.max_num_seqs * per_seq
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        budget = int(0.9 * stats["bytes_limit"]) - stats.get("bytes_in_use", 0) - (2 << 30)
+    else:
+        budget = 2 << 30  # host memory: keep the cache modest
+    n = min(want, max(budget // per_block, 0))
+    if n < per_seq:
+        raise ValueError(f"not enough memory for one sequence of max_model_len={sched.max_model_len}: "
+                         "lower max_model_len or pass num_kv_blocks")
+    return int(n)
+
+
 class ModelRunner:
-    def __init__(self, module, params, routing, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, kv_dtype, mesh=None):
-        """num_blocks and max_num_seqs are per rank."""
-        cfg = module.cfg
+    def __init__(self, config: EngineConfig, module, params, routing, mesh=None):
+        """module: the Flax model (kernel-scoped); params/routing on device (sharded over ``mesh``)."""
+        cfg = config.model
+        self.config = config
         self.module, self.params, self.routing, self.cfg, self.mesh = module, params, routing, cfg, mesh
-        self.num_ranks = 1 if mesh is None else mesh.size
-        self.block_size, self.num_blocks = block_size, num_blocks
-        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.num_slots = num_blocks * block_size
-        from moejax.layers.kv_quant import stored_row_dim  # FP8 rows carry their scale (kv_quant.py)
+        self.num_ranks = config.num_ranks
+        self.block_size = config.cache.block_size
+        self.num_blocks = config.cache.num_blocks or default_num_blocks(config)  # per rank
+        self.max_model_len, self.max_num_seqs = config.scheduler.max_model_len, config.scheduler.max_num_seqs
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.num_slots = self.num_blocks * self.block_size
+        kv_dtype = cache_storage_dtype(config.cache.kv_cache_dtype, config.dtype)
+        # FP8 rows carry their scale (layers/kv_quant.py).
         shape = (self.num_ranks, cfg.num_hidden_layers, self.num_slots, stored_row_dim(cfg.kv_cache_dim, kv_dtype))
         if mesh is None:
             self.cache = jnp.zeros(shape, kv_dtype)
         else:
-            self.cache = jax.jit(lambda: jnp.zeros(shape, kv_dtype),
-                                 out_shardings=NamedSharding(mesh, P(AXIS)))()
+            self.cache = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=NamedSharding(mesh, RANK))()
         # How many times each step was traced (= compiled): tests assert on it.
         self.trace_counts: collections.Counter[str] = collections.Counter()
         self.last_expert_counts = self.last_dispatched = None
@@ -106,8 +129,8 @@ class ModelRunner:
             mesh, specs = self.mesh, param_specs(self.params)
 
             def sharded(params, routing, *args):
-                return jax.shard_map(per_rank, mesh=mesh, in_specs=(specs, P(), *([P(AXIS)] * len(args))),
-                                     out_specs=P(AXIS), check_vma=False)(params, routing, *args)
+                return jax.shard_map(per_rank, mesh=mesh, in_specs=(specs, REPLICATED, *([RANK] * len(args))),
+                                     out_specs=RANK, check_vma=False)(params, routing, *args)
             fn = sharded
         else:
             fn = per_rank

@@ -11,16 +11,16 @@ from collections import deque
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from moejax.eplb.placement import Placement, balanced_placement, balancedness, rank_loads
-
-_EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+from moejax.models.registry import abstract_variables
+from moejax.parallel.sharding import EXPERT
+from moejax.weights.param_tree import EXPERT_WEIGHTS, flatten, unflatten
 
 
 def expert_modules(cfg) -> list[tuple[str, ...]]:
     """Pytree paths of every routed-experts module, in layer order (from the model's routing variables)."""
-    from moejax.weights.hf_names import flatten
-    from moejax.weights.loader import abstract_variables
     paths = [p[:-1] for p in flatten(abstract_variables(cfg, "float32").get("routing", {})) if p[-1] == "expert_slots"]
     return sorted(paths, key=lambda p: int(p[0].split("_")[1]))
 
@@ -38,7 +38,6 @@ def initial_placements(cfg, num_ranks: int, num_redundant: int) -> dict[tuple[st
 
 
 def routing_tree(placements: dict[tuple[str, ...], Placement], width: int) -> dict:
-    from moejax.weights.hf_names import unflatten
     flat = {}
     for path, p in placements.items():
         slots = p.slots_of_expert()
@@ -50,10 +49,9 @@ def routing_tree(placements: dict[tuple[str, ...], Placement], width: int) -> di
 
 def _map_experts(params: dict, placements, fn) -> dict:
     """A copy of params with fn(weight, path, placement) applied to each routed-expert weight."""
-    from moejax.weights.hf_names import flatten, unflatten
     flat = flatten(params)
     for path, p in placements.items():
-        for w in _EXPERT_WEIGHTS:
+        for w in EXPERT_WEIGHTS:
             flat[path + (w,)] = fn(flat[path + (w,)], path, p)
     return unflatten(flat)
 
@@ -64,25 +62,25 @@ def physical_params(params: dict, placements) -> dict:
 
 
 class ExpertLoadBalancer:
-    def __init__(self, runner, placements: dict[str, Placement], num_redundant: int, interval: int = 0,
-                 window: int = 1000, routing_width: int = 1):
+    """Reads the runner's expert counts after every step; with ``eplb_interval`` set in the parallel
+    layout, rebalances every that many steps (``rebalance`` may also be called directly)."""
+
+    def __init__(self, config, runner, placements: dict[tuple[str, ...], Placement]):
+        pc = config.parallel
         self.runner, self.placements = runner, dict(placements)
         self.names = list(placements)  # expert-module paths, in layer order
-        self.num_redundant, self.interval = num_redundant, interval
-        self.routing_width = routing_width
+        self.num_redundant = config.num_redundant_experts
+        self.interval = pc.eplb_interval if pc else 0
+        self.routing_width = 1 + self.num_redundant
+        window = pc.eplb_window if pc else 1000
         self.counts: deque[np.ndarray] = deque(maxlen=window)  # [ranks, L_moe, E] per step
         self.dispatched: deque[np.ndarray] = deque(maxlen=window)  # [ranks, L_moe] per step
         self._dispatched_sum = None
         self.steps = 0
         self.num_rebalances = 0
         mesh = runner.mesh
-        if mesh is None:
-            self._take = jax.jit(lambda w, src: jnp.take(w, src, axis=0))
-        else:
-            from jax.sharding import NamedSharding, PartitionSpec as P
-            from moejax.parallel.sharding import AXIS
-            self._take = jax.jit(lambda w, src: jnp.take(w, src, axis=0),
-                                 out_shardings=NamedSharding(mesh, P(AXIS)))
+        take = lambda w, src: jnp.take(w, src, axis=0)  # noqa: E731
+        self._take = jax.jit(take) if mesh is None else jax.jit(take, out_shardings=NamedSharding(mesh, EXPERT))
 
     @property
     def num_ranks(self) -> int:

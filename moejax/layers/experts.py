@@ -9,11 +9,12 @@ moejax/parallel/dispatch.py.
 import jax
 import jax.numpy as jnp
 
+from moejax import kernel_selection
+
 
 def grouped_expert_mlp(x_sorted, group_sizes, w_gate, w_up, w_down):
     """x_sorted [N, H] rows grouped by expert; w_gate/w_up [E, H, I], w_down [E, I, H]."""
-    from moejax.kernels.selection import grouped_mlp  # Pallas fused MoE where selected (GPU)
-    y = grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down)
+    y = kernel_selection.grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down)
     if y is not None:
         return y
     f32 = jnp.float32

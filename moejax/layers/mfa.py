@@ -20,45 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from moejax.layers.linear import Linear, einsum_f32
-from moejax.layers.mla import write_cache
-from moejax.layers.mla_decode import gather_sequence_slots
+from moejax.layers.paged_attention import mfa_decode_attention, write_cache
 from moejax.layers.norm import RMSNorm
 from moejax.layers.rope import apply_rope, rope_frequencies
 
 
-def mfa_decode_attention(q, cache_layer, block_tables, seq_lens, block_size: int, scale: float, num_kv_heads: int,
-                         layer: int | None = None):
-    """q [B, nh, D] (rotated), cache_layer [num_slots, 2*G*D] rows [k | v], block_tables [B, nb],
-    seq_lens [B] (>= 1) -> context [B, nh, D] float32. With ``layer``, cache_layer is the whole
-    cache [L, num_slots, D'] (the Pallas kernel then reads that layer in place).
-
-    XLA path: one gather of the sequence's rows, then one einsum for all heads of each KV group."""
-    from moejax.kernels.selection import mfa_attention  # Pallas kernel where selected
-    ctx = mfa_attention(q, cache_layer, block_tables, seq_lens, block_size, scale, num_kv_heads, layer)
-    if ctx is not None:
-        return ctx
-    if layer is not None:
-        cache_layer = cache_layer[layer]
-    B, nh, D = q.shape
-    G = num_kv_heads
-    kv = cache_layer[gather_sequence_slots(block_tables, block_size)]  # [B, T, 2*G*D]: the only cache read
-    if jnp.dtype(kv.dtype) == jnp.dtype(jnp.float8_e4m3fn):  # FP8 cache rows (layers/kv_quant.py layout)
-        from moejax.layers.kv_quant import dequantize_rows
-        kv = dequantize_rows(kv, 2 * G * D).astype(q.dtype)
-    T = kv.shape[1]
-    k = kv[..., :G * D].reshape(B, T, G, D)
-    v = kv[..., G * D:].reshape(B, T, G, D)
-    qg = q.reshape(B, G, nh // G, D).astype(kv.dtype)
-    s = einsum_f32("bgnd,btgd->bgnt", qg, k) * scale
-    valid = jnp.arange(T)[None, :] < seq_lens[:, None]
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    ctx = einsum_f32("bgnt,btgd->bgnd", p.astype(kv.dtype), v)
-    return ctx.reshape(B, nh, D)
-
-
 class MFA(nn.Module):
-    cfg: Any  # Step3Config
+    cfg: Any  # Step3Config (moejax/models/step3.py)
     layer: int
     dtype: Any = jnp.float32
 

@@ -12,22 +12,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moejax.config import ModelConfig
-from moejax.layers.kv_quant import encode_rows
 from moejax.layers.linear import Linear, einsum_f32
-from moejax.layers.mla_decode import mla_decode_attention
+from moejax.layers.paged_attention import mla_decode_attention, write_cache
 from moejax.layers.norm import RMSNorm
 from moejax.layers.rope import apply_rope, rope_frequencies
 
 
-def write_cache(cache, layer: int, slots, values):
-    """cache [L, num_slots, D]; slots out of range (padding) are dropped. An FP8 cache stores
-    quantised rows with their scale (moejax/layers/kv_quant.py)."""
-    return cache.at[layer, slots].set(encode_rows(cache, values), mode="drop")
-
-
 class MLA(nn.Module):
-    cfg: ModelConfig
+    cfg: Any  # DeepseekConfig (moejax/models/deepseek.py)
     layer: int
     dtype: Any = jnp.float32
 

@@ -1,27 +1,17 @@
-"""DeepSeek MoE block: router, routed experts (stacked weights) and shared experts."""
+"""The MoE block: router, routed experts (stacked weights) and shared experts (DeepSeek, Step3)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from moejax.config import ModelConfig
 from moejax.layers.linear import INIT_STD
 from moejax.layers.mlp import GatedMLP
 from moejax.layers.router import Router
 from moejax.parallel import dispatch
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertParallel:
-    """How routed experts are reached: ``local`` (no mesh) or a dispatch backend over ``axis``."""
-    backend: str = "local"
-    axis: str | None = None
-    n_ranks: int = 1
-    num_redundant: int = 0  # extra physical slots for replicas of hot experts (EPLB)
+from moejax.parallel.dispatch import ExpertParallel
 
 
 class RoutedExperts(nn.Module):
@@ -32,7 +22,7 @@ class RoutedExperts(nn.Module):
     replicate experts without changing the model or recompiling. The "stats"
     collection receives, per call, the tokens routed to each logical expert
     (``expert_counts``) and the (token, expert) pairs this rank computed (``dispatched``)."""
-    cfg: ModelConfig
+    cfg: Any  # a family config: n_routed_experts, hidden_size, moe_intermediate_size, n_shared_experts
     dtype: Any = jnp.float32
     ep: ExpertParallel = ExpertParallel()
 
@@ -62,7 +52,7 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    cfg: ModelConfig
+    cfg: Any  # a family config: n_routed_experts, hidden_size, moe_intermediate_size, n_shared_experts
     dtype: Any = jnp.float32
     ep: ExpertParallel = ExpertParallel()
 

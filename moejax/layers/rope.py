@@ -4,12 +4,32 @@ Frequencies are computed once on the host in float32 (as HF does), so the
 compiled step only multiplies by positions.
 """
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.config import RopeConfig, yarn_mscale
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"  # "default" or "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    interleave: bool = True  # DeepSeek rotates adjacent pairs (x0,x1),(x2,x3)...; Step3 rotates halves
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:

@@ -5,16 +5,21 @@ Always computed in float32: near-ties between experts are common, and a
 different choice changes the output far more than any rounding.
 """
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moejax.config import ModelConfig
 from moejax.layers.linear import INIT_STD
 
 
-def select_experts(logits, cfg: ModelConfig, correction_bias=None):
-    """logits [T, E] float32 -> (topk_idx [T, k] int32, topk_weight [T, k] float32)."""
+def select_experts(logits, cfg, correction_bias=None):
+    """logits [T, E] float32 -> (topk_idx [T, k] int32, topk_weight [T, k] float32).
+
+    Reads cfg's n_routed_experts, num_experts_per_tok, scoring_func, topk_method, n_group,
+    topk_group, norm_topk_prob, routed_scaling_factor (the DeepSeek names; other families'
+    configs expose the same)."""
     E, k, G = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group
     if cfg.scoring_func == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
@@ -39,7 +44,7 @@ def select_experts(logits, cfg: ModelConfig, correction_bias=None):
 
 
 class Router(nn.Module):
-    cfg: ModelConfig
+    cfg: Any  # a family config with the router fields of select_experts
 
     @nn.compact
     def __call__(self, x):

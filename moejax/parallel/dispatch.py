@@ -26,12 +26,23 @@ from per-rank counts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from moejax.layers.experts import grouped_expert_mlp
 
 BACKENDS = ("a2a", "ragged", "replicated")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """How a model's routed experts are reached: ``local`` (no mesh) or a backend over ``axis``."""
+    backend: str = "local"
+    axis: str | None = None
+    n_ranks: int = 1
+    num_redundant: int = 0  # extra physical slots for replicas of hot experts (EPLB)
 
 
 def physical_slots(topk_idx, slots, replicas, source_rank):

@@ -1,18 +1,19 @@
-"""The sharding rules, in one place.
+"""The sharding rules, in one place: every PartitionSpec is derived from ``RULES``.
 
-One mesh axis, ``ep``, of N devices serves as both the data-parallel axis
-(attention, norms, dense and shared-expert MLPs, the KV cache and the request
-batch: each device has its own) and the expert-parallel axis (routed experts
-split E/N per device).
+One mesh axis, ``ep``, of N devices serves as both the data-parallel axis (attention,
+norms, dense and shared-expert MLPs, the KV cache and the request batch: each device
+has its own) and the expert-parallel axis (routed experts split E/N per device).
+Arrays are described by logical axes; ``RULES`` maps the logical axes that are split
+to mesh axes, and every other axis is replicated:
 
-| array                                  | global shape              | spec      |
-|----------------------------------------|---------------------------|-----------|
-| every dense weight, norms, router      | as in HF                  | P()       |
-| routed experts gate/up/down            | [E, in, out]              | P("ep")   |
-| expert placement (logical -> slot)     | [E]                       | P()       |
-| KV cache                               | [N, L, slots, 576]        | P("ep")   |
-| per-step batch inputs (tokens, tables) | [N, B_rank, ...]          | P("ep")   |
-| sampled tokens / logprobs              | [N, B_rank]               | P("ep")   |
+| array                                  | global shape              | logical axes      | spec      |
+|----------------------------------------|---------------------------|-------------------|-----------|
+| every dense weight, norms, router      | as in HF                  | (none split)      | P()       |
+| routed experts gate/up/down (+ scales) | [E, in, out]              | ("expert", ...)   | P("ep")   |
+| expert placement (logical -> slot)     | [E]                       | (none split)      | P()       |
+| KV cache                               | [N, L, slots, row]        | ("rank", ...)     | P("ep")   |
+| per-step batch inputs (tokens, tables) | [N, B_rank, ...]          | ("rank", ...)     | P("ep")   |
+| sampled tokens / logprobs              | [N, B_rank]               | ("rank", ...)     | P("ep")   |
 """
 
 from __future__ import annotations
@@ -21,9 +22,33 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moejax.weights.hf_names import flatten, is_stacked_expert, unflatten
+from moejax.weights.param_tree import flatten, is_stacked_expert, unflatten
 
 AXIS = "ep"
+
+# Logical axis -> mesh axis. "rank": the leading per-device axis of the cache and of every
+# per-step array (data parallel). "expert": the physical-slot axis of the routed experts.
+RULES = {"rank": AXIS, "expert": AXIS}
+
+
+def spec(*logical: str | None) -> P:
+    """The PartitionSpec of an array with these logical axes (trailing axes replicated)."""
+    return P(*(RULES.get(a) if a is not None else None for a in logical))
+
+
+def param_logical_axes(path: tuple[str, ...]) -> tuple[str | None, ...]:
+    """Routed experts (and anything else under ``mlp/experts``, e.g. their FP8 scales) are split
+    along their leading slot axis; every other parameter is replicated."""
+    return ("expert",) if is_stacked_expert(path) else ()
+
+
+def param_specs(params):
+    return unflatten({path: spec(*param_logical_axes(path)) for path in flatten(params)})
+
+
+REPLICATED = spec()  # dense weights, expert placement tables
+RANK = spec("rank")  # the cache and every per-step input/output
+EXPERT = spec("expert")  # the routed experts' slot axis
 
 
 def make_mesh(num_ranks: int) -> Mesh:
@@ -34,10 +59,5 @@ def make_mesh(num_ranks: int) -> Mesh:
     return Mesh(np.array(devices[:num_ranks]), (AXIS,))
 
 
-def param_specs(params):
-    return unflatten({path: P(AXIS) if is_stacked_expert(path) else P() for path in flatten(params)})
-
-
 def shard_params(params, mesh: Mesh):
-    specs = param_specs(params)
-    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, param_specs(params))

@@ -18,6 +18,7 @@ import traceback
 
 from aiohttp import web
 
+import moejax
 from moejax.server import protocol
 from moejax.server.async_engine import AsyncEngine, EngineDeadError
 from moejax.server.protocol import APIError
@@ -201,7 +202,6 @@ async def metrics(request: web.Request):
 
 
 async def version(request: web.Request):
-    import moejax
     return web.json_response({"version": moejax.__version__})
 
 
@@ -222,7 +222,7 @@ def make_app(model, model_name: str | None = None, extra_names=()) -> tuple[web.
     name = model_name or model.source_dir
     names = tuple(dict.fromkeys([name, *extra_names, model.source_dir]))
     aengine = AsyncEngine(model.engine, name).start()
-    ctx = protocol.ServingContext(names, model.tokenizer, model.max_model_len, model.config.vocab_size)
+    ctx = protocol.ServingContext(names, model.tokenizer, model.max_model_len, model.config.model.vocab_size)
     app = build_app(aengine, ctx)
 
     async def _cleanup(_app):

@@ -7,6 +7,7 @@ each. All updates come from the engine thread; /metrics reads under a lock.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import threading
 
@@ -96,7 +97,6 @@ class Metrics:
                 self.tpot.observe((e2e - ttft) / (num_output - 1))
 
     def snapshot(self, engine, mixed_steps: int) -> None:
-        import dataclasses
         with self.lock:
             self.running = len(engine.scheduler.running)
             self.waiting = len(engine.scheduler.waiting)
@@ -104,8 +104,8 @@ class Metrics:
             self.num_preemptions = engine.scheduler.num_preemptions
             self.engine_stats = dataclasses.replace(engine.stats)
             self.steps_mixed = mixed_steps
-            bal = getattr(engine.runner, "eplb", None)
-            if bal is not None and bal.dispatched:
+            bal = engine.balancer
+            if bal.dispatched:
                 self.eplb_layers, self.eplb_overall = bal.balancedness()
                 self.eplb_rebalances = bal.num_rebalances
 

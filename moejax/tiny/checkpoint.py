@@ -1,22 +1,25 @@
-"""Writes random-weight HF-layout DeepSeek checkpoints with NumPy alone (no torch),
-so the embedded default model can be built on any machine. The weights are
+"""Writes random-weight HF-layout checkpoints of any registered family with NumPy alone
+(no torch), so the embedded default model can be built on any machine. The weights are
 random: the model produces meaningless text."""
 
 from __future__ import annotations
 
 import json
 import os
+from typing import Iterator
 
 import ml_dtypes
 import numpy as np
 
-from moejax.config import ModelConfig
+from moejax.models.family import ModelFamily
+from moejax.models.registry import abstract_params, family_of, parse_model_config
 from moejax.tiny.tokenizer import write_tokenizer
 from moejax.weights.fp8 import quantize_block_fp8
-from moejax.weights.hf_names import flatten, hf_tensors_from_params
+from moejax.weights.param_tree import flatten, is_stacked_expert, unflatten
 from moejax.weights.safetensors_io import save_safetensors
 
 FP8_BLOCK = (128, 128)
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
 def fp8_quantization_config() -> dict:
@@ -24,9 +27,8 @@ def fp8_quantization_config() -> dict:
     return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)}
 
 
-def random_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
+def random_params(cfg, seed: int = 0, std: float = 0.02) -> dict:
     """A random parameter pytree (float32 NumPy) shaped like the model."""
-    from moejax.weights.loader import abstract_params
     rng = np.random.default_rng(seed)
     out = {}
     for path, leaf in flatten(abstract_params(cfg, "float32")).items():
@@ -38,24 +40,36 @@ def random_params(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
         else:
             arr = std * rng.standard_normal(leaf.shape)
         out[path] = arr.astype(np.float32)
-    from moejax.weights.hf_names import unflatten
     return unflatten(out)
 
 
-def is_fp8_quantized(name: str) -> bool:
-    """Which tensors DeepSeek-V3 stores in float8: the projection matrices, not the
-    embeddings, lm_head, norms or router."""
-    return name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
+def hf_tensors_from_params(params, family: ModelFamily) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (HF name, array in HF layout) for every parameter, through the family's name table."""
+    for path, arr in flatten(params).items():
+        arr = np.asarray(arr)
+        if not is_stacked_expert(path):
+            yield family.param_to_hf(path, None), arr
+        elif family.experts_stacked_on_disk:  # [E, in, out] -> one [E, out, in] tensor
+            yield family.param_to_hf(path, None), np.ascontiguousarray(arr.transpose(0, 2, 1))
+        else:  # one [out, in] tensor per expert
+            for e in range(arr.shape[0]):
+                yield family.param_to_hf(path, e), np.ascontiguousarray(arr[e].T)
 
 
-def quantize_tensors(tensors: dict[str, np.ndarray], block=FP8_BLOCK) -> dict[str, np.ndarray]:
+def quantize_tensors(tensors: dict[str, np.ndarray], is_fp8_quantized, block=FP8_BLOCK) -> dict[str, np.ndarray]:
+    """Block-FP8 the tensors the family stores in float8; a stacked [E, out, in] tensor gets
+    scales [E, rows, cols]."""
     out = {}
     for name, arr in tensors.items():
-        if is_fp8_quantized(name):
-            q, s = quantize_block_fp8(np.asarray(arr, np.float32), block)
-            out[name], out[name + "_scale_inv"] = q, s
-        else:
+        if not is_fp8_quantized(name):
             out[name] = arr
+            continue
+        arr = np.asarray(arr, np.float32)
+        if arr.ndim == 3:
+            qs = [quantize_block_fp8(a, block) for a in arr]
+            out[name], out[name + "_scale_inv"] = np.stack([q for q, _ in qs]), np.stack([s for _, s in qs])
+        else:
+            out[name], out[name + "_scale_inv"] = quantize_block_fp8(arr, block)
     return out
 
 
@@ -89,17 +103,18 @@ def write_checkpoint(directory: str, hf_config: dict, tensors: dict[str, np.ndar
 
 def make_random_checkpoint(directory: str, hf_config: dict, seed: int = 0, dtype: str = "float32",
                            fp8: bool = False, max_shard_bytes: int | None = None, std: float = 0.02) -> str:
-    if hf_config.get("model_type") in ("step3_text", "step3_vl"):  # Step3: its own name table
-        from moejax.tiny.step3_checkpoint import make_random_step3_checkpoint
-        return make_random_step3_checkpoint(directory, hf_config, seed, dtype, fp8, max_shard_bytes, std)
+    """A random-weight checkpoint of ``hf_config``'s family, in that family's HF names and layout."""
+    if dtype not in _NP_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_NP_DTYPES)}, got {dtype!r}")
     hf_config = dict(hf_config)
-    cfg = ModelConfig.from_dict(hf_config)
-    params = random_params(cfg, seed, std)
-    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
-    tensors = {k: v.astype(np_dtype) for k, v in hf_tensors_from_params(params)}
+    cfg = parse_model_config(hf_config)
+    family = family_of(cfg)
+    np_dtype = _NP_DTYPES[dtype]
+    tensors = {k: v.astype(np_dtype) for k, v in hf_tensors_from_params(random_params(cfg, seed, std), family)}
     if fp8:
-        tensors = quantize_tensors(tensors)
+        tensors = quantize_tensors(tensors, family.is_fp8_quantized)
         hf_config["quantization_config"] = fp8_quantization_config()
+    tensors = family.add_checkpoint_extras(cfg, tensors, seed, np_dtype)
     hf_config["torch_dtype"] = dtype
     write_checkpoint(directory, hf_config, tensors, max_shard_bytes)
     return directory

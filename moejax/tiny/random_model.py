@@ -8,15 +8,15 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from moejax.config import ModelConfig
+from moejax.config import EngineConfig
 from moejax.model import Model
+from moejax.models.registry import abstract_params, parse_model_config
 from moejax.tiny.tokenizer import write_tokenizer
 from moejax.tokenizer import Tokenizer
-from moejax.weights.hf_names import flatten, unflatten
-from moejax.weights.loader import abstract_params
+from moejax.weights.param_tree import flatten, unflatten
 
 
-def random_device_params(cfg: ModelConfig, dtype: str, seed: int = 0, std: float = 0.02):
+def random_device_params(cfg, dtype: str, seed: int = 0, std: float = 0.02):
     leaves = flatten(abstract_params(cfg, dtype))
     key = jax.random.key(seed)
     out = {}
@@ -33,15 +33,13 @@ def random_device_params(cfg: ModelConfig, dtype: str, seed: int = 0, std: float
 
 
 def random_model(hf_config: dict, dtype: str = "bfloat16", parallel: str | None = None, seed: int = 0,
-                 params=None, **load_kw) -> Model:
-    """``params``: reuse already generated weights (random_device_params of the same config)."""
-    from moejax.parallel.config import ParallelConfig
-    cfg = ModelConfig.from_dict(hf_config)
+                 params=None, **engine_kw) -> Model:
+    """``params``: reuse already generated weights (random_device_params of the same config).
+    ``engine_kw``: the EngineConfig.create arguments (max_model_len, max_num_seqs, kernels, ...)."""
+    cfg = parse_model_config(hf_config)
+    config = EngineConfig.create(cfg, dtype=dtype, parallel=parallel, **{"max_model_len": 4096, **engine_kw})
     tmp = tempfile.mkdtemp(prefix="moejax-tok-")
     write_tokenizer(tmp)
-    kw = {"max_model_len": 4096, "max_num_seqs": 256, "block_size": 16, "num_kv_blocks": None,
-          "max_prefill_tokens": 8192, **load_kw}
-    pc = ParallelConfig.load(parallel) if parallel else None
     if params is None:
         params = random_device_params(cfg, dtype, seed)
-    return Model(cfg, hf_config, params, Tokenizer(tmp), dtype, tmp, parallel=pc, **kw)
+    return Model(config, hf_config, params, Tokenizer(tmp), tmp)

@@ -9,30 +9,32 @@ import tempfile
 
 import numpy as np
 
+from moejax.models.registry import family_for
 from moejax.tiny.checkpoint import FP8_BLOCK, fp8_quantization_config, quantize_tensors, write_checkpoint
 from moejax.tiny.tokenizer import write_tokenizer
 from moejax.weights.fp8 import dequantize_block_fp8
 from moejax.weights.safetensors_io import SafetensorsFile, list_checkpoint_files
 
 
-def _classes(model_type: str):
+def hf_classes(model_type: str):
+    """The transformers (config, model) classes of a model_type, from its family's entry."""
+    names = family_for(model_type).transformers_classes.get(model_type)
+    if names is None:
+        raise ValueError(f"model_type {model_type!r}: transformers has no class for it (its family "
+                         f"{family_for(model_type).name!r} lists none); write it with the NumPy writer instead")
     try:
-        import transformers
+        import transformers  # the test extra: optional
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("writing checkpoints with transformers needs `pip install -e .[test]`") from e
-    if model_type == "deepseek_v3":
-        return transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
-    if model_type == "deepseek_v2":
-        return transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM
-    raise ValueError(f"model_type {model_type!r} is not a DeepSeek family")
+    return getattr(transformers, names[0]), getattr(transformers, names[1])
 
 
 def make_hf_checkpoint(directory: str, hf_config: dict, seed: int = 0, fp8: bool = False,
                        max_shard_size: str | None = None):
     """Builds the HF model with random weights, saves it to ``directory``, returns the
     float32 torch model (with FP8 weights already dequantised, so it is the exact reference)."""
-    import torch
-    cfg_cls, model_cls = _classes(hf_config["model_type"])
+    import torch  # the test extra: optional
+    cfg_cls, model_cls = hf_classes(hf_config["model_type"])
     kwargs = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}
     config = cfg_cls(**kwargs)
     torch.manual_seed(seed)
@@ -55,7 +57,7 @@ def make_hf_checkpoint(directory: str, hf_config: dict, seed: int = 0, fp8: bool
     for f in set(files.values()) | {os.path.join(directory, "model.safetensors.index.json")}:
         if os.path.exists(f):
             os.remove(f)
-    tensors = quantize_tensors(state)
+    tensors = quantize_tensors(state, family_for(hf_config["model_type"]).is_fp8_quantized)
     out_cfg = dict(hf_config, quantization_config=fp8_quantization_config())
     write_checkpoint(directory, out_cfg, tensors)
     deq = {k: (dequantize_block_fp8(tensors[k], tensors[k + "_scale_inv"], FP8_BLOCK) if k + "_scale_inv" in tensors

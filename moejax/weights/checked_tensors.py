@@ -1,8 +1,7 @@
-"""The tensor bookkeeping both checkpoint loaders share (DeepSeek: loader.py, Step3: step3_loader.py).
+"""The tensor bookkeeping of the checkpoint loader (loader.py).
 
 Reads weights by HF name; a float8 weight comes with its ``<name>_scale_inv`` block scales (or a
-ValueError naming what is missing); ``finish`` refuses scale tensors that scaled nothing. Each
-loader keeps only its own name table and layout rules.
+ValueError naming what is missing); ``finish`` refuses scale tensors that scaled nothing.
 """
 
 from __future__ import annotations

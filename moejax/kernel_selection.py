@@ -1,6 +1,6 @@
 """The one place that picks a kernel (Pallas or XLA) and its block sizes.
 
-``select_moe`` and ``select_mla`` decide from static shapes, dtypes and the
+``select_moe``, ``select_mla`` and ``select_mfa`` decide from static shapes, dtypes and the
 platform (no online profiling, no autotuning at run time); the XLA
 implementation is the fallback everywhere and the default on CPU.
 
@@ -27,6 +27,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.fused_moe import fused_moe
+from pallas_kernels.paged_decode_attention import paged_decode_attention
 
 KERNEL_MODES = ("auto", "pallas", "xla")
 _MODE: contextvars.ContextVar[str] = contextvars.ContextVar("moejax_kernels", default="auto")
@@ -152,14 +155,13 @@ def grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, mode: str | None = 
     c = select_moe(N, E, H, I, x_sorted.dtype, mode)
     if c.impl != "pallas":
         return None
-    from pallas_kernels.fused_moe import fused_moe
     return fused_moe(x_sorted, group_sizes, w_gate, w_up, w_down, **c.params)
 
 
 # ------------------------------------------------------------------ MLA decode
 def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, block_size: int, cache_dtype,
                mode: str | None = None) -> Choice:
-    """Absorbed MLA decode over the paged cache: Pallas ``mla_decode_pallas`` or the XLA gather path."""
+    """Absorbed MLA decode over the paged cache: Pallas ``paged_decode_attention`` or the XLA gather path."""
     use, forced = _want_pallas(mode)
     if not use:
         return Choice("xla", reason="mode or platform")
@@ -181,7 +183,7 @@ def _slow_fp8(heads: int, cache_dtype) -> bool:
 
 
 def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, cache_dtype) -> dict:
-    """Tiling of the paged decode kernel (``mla_decode_pallas``), for MLA and MFA alike.
+    """Tiling of the paged decode kernel (``paged_decode_attention``), for MLA and MFA alike.
 
     bf16 cache (H200 sweep, BENCHMARKS.md, benchmarks/2026-12-03b/): the gather tile, 64 tokens
     across four pages in one dot. Nsight Compute showed the whole-page tile bound by shared memory
@@ -223,8 +225,7 @@ def mla_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size: i
     c = select_mla(B, H, C, q_rope.shape[-1], block_tables.shape[1] * block_size, block_size, cache.dtype, mode)
     if c.impl != "pallas":
         return None
-    from pallas_kernels.mla_decode import mla_decode_pallas
-    return mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, block_size=block_size,
+    return paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size=block_size,
                              scale=float(scale), layer=layer, **c.params)
 
 
@@ -232,7 +233,8 @@ def mla_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size: i
 def select_mfa(batch: int, heads: int, head_dim: int, groups: int, max_len: int, block_size: int, cache_dtype,
                mode: str | None = None) -> Choice:
     """Step3 MFA decode (all query heads against one K/V head) over the paged [k | v] cache: the
-    pages tile of ``mla_decode_pallas`` with values at column ``head_dim``, or the XLA gather path."""
+    MLA kernel ``paged_decode_attention`` with no rope part and values at column ``head_dim``, tiled as
+    MLA is (``_paged_decode_params``: the gather tile for bf16 caches), or the XLA gather path."""
     use, forced = _want_pallas(mode)
     if not use:
         return Choice("xla", reason="mode or platform")
@@ -255,6 +257,5 @@ def mfa_attention(q, cache, block_tables, seq_lens, block_size: int, scale: floa
     c = select_mfa(B, H, D, groups, block_tables.shape[1] * block_size, block_size, cache.dtype, mode)
     if c.impl != "pallas":
         return None
-    from pallas_kernels.mla_decode import mla_decode_pallas
-    return mla_decode_pallas(q, None, cache, block_tables, seq_lens, block_size=block_size, scale=float(scale),
+    return paged_decode_attention(q, None, cache, block_tables, seq_lens, block_size=block_size, scale=float(scale),
                              layer=layer, v_offset=D, **c.params)

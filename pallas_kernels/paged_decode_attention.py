@@ -1,4 +1,8 @@
-"""Absorbed MLA decode attention over the paged latent cache (Pallas, Triton backend).
+"""Decode attention over the paged cache for MLA and MFA (Pallas, Triton backend).
+
+One kernel serves DeepSeek's absorbed MLA (queries in the latent space against
+[latent | rope key] rows, ``q_rope`` given) and Step3's MFA (every query head against
+one shared [k | v] row, ``q_rope=None``, values at column ``v_offset``).
 
 Flash-decoding in two stages:
 
@@ -188,7 +192,7 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "layer", "v_offset", "block_h", "block_t",
                                              "num_splits", "num_warps", "num_stages", "tile", "interpret"))
-def mla_decode_pallas(q_latent, q_rope, cache, block_tables, seq_lens, *, block_size: int, scale: float,
+def paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, *, block_size: int, scale: float,
                       layer: int | None = None, v_offset: int | None = None, block_h: int = 16, block_t: int = 32,
                       num_splits: int = 1, num_warps: int = 4, num_stages: int = 2, tile: str = "gather",
                       interpret: bool | None = None):

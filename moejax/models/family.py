@@ -1,0 +1,42 @@
+"""What a model family gives the shared engine: one ``ModelFamily`` per family module.
+
+A family module (moejax/models/deepseek.py, step3.py) owns its config parsing, its Flax
+model, its HF-name table and the presets of its tiny random checkpoints; it ends with a
+``FAMILY = ModelFamily(...)`` that moejax/models/registry.py lists once. Everything else
+(loader, checkpoint writer, runner, EP sharding, EPLB, server) reads a family only
+through these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from moejax.weights.param_tree import ParamRef
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    model_types: tuple[str, ...]  # config.json "model_type" values this family reads
+    parse_config: Callable[[dict], Any]  # config.json dict -> the family's frozen config dataclass
+    causal_lm: type  # Flax module, constructed as causal_lm(cfg, dtype, expert_parallel)
+    # The HF-name table. hf_to_param: name -> ParamRef, or None for a name this family does not know.
+    hf_to_param: Callable[[str], ParamRef | None]
+    # Inverse, for messages and for writing checkpoints; ``expert`` picks one expert's tensor.
+    param_to_hf: Callable[[tuple[str, ...], int | None], str]
+    # Routed experts on disk: one [out, in] tensor per expert, or all in one [E, out, in] tensor.
+    experts_stacked_on_disk: bool
+    # Which HF tensors an FP8 block-scaled checkpoint stores in float8 (projections, not norms/router).
+    is_fp8_quantized: Callable[[str], bool]
+    presets: dict[str, dict]  # name -> config.json of a (tiny or real-shaped) random model
+    with_layers: Callable[[dict, int], dict]  # the same config with n layers, the first dense
+    # Tensors the checkpoint holds but the model does not build (MTP layers, a vision tower).
+    ignores: Callable[[str, Any], bool] = lambda name, cfg: False
+    # A random checkpoint's final tensors (cfg, HF tensors, seed, dtype) -> tensors: e.g. a VL wrapper's
+    # name prefix and vision-tower stand-ins.
+    add_checkpoint_extras: Callable[[Any, dict, int, Any], dict] = lambda cfg, tensors, seed, dtype: tensors
+    fp8_kv_cache: bool = True  # the attention reads FP8 cache rows (layers/kv_quant.py)
+    # transformers classes (config, model) by model_type, for reference checkpoints; {} = none exist.
+    transformers_classes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+

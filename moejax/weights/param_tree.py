@@ -1,0 +1,47 @@
+"""The parameter pytree and how an HF tensor name points into it.
+
+Parameters are a plain nested dict that keeps HF's module names and [out, in] layout:
+``model.layers.3.self_attn.q_a_proj.weight`` is ``params["layers_3"]["self_attn"]["q_a_proj"]["weight"]``.
+Routed experts are the one exception in every family: they are stacked as
+``layers_N/mlp/experts/{gate,up,down}_proj`` [E, in, out] for grouped GEMMs. Each
+family's module (moejax/models/) maps its HF names onto this tree with ``ParamRef``s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+class ParamRef(NamedTuple):
+    """Where one HF tensor goes: a leaf path, and for routed experts how HF stores them."""
+    path: tuple[str, ...]
+    expert: int | None = None  # one expert's [out, in] matrix, at this index of the stacked axis
+    layer: int | None = None
+    stacked: bool = False  # all experts in one [E, out, in] tensor
+
+
+def is_stacked_expert(path: tuple[str, ...]) -> bool:
+    return len(path) == 4 and path[1:3] == ("mlp", "experts")
+
+
+def flatten(tree, prefix=()) -> dict[tuple[str, ...], object]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def unflatten(flat: dict[tuple[str, ...], object]) -> dict:
+    tree: dict = {}
+    for path, v in flat.items():
+        node = tree
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return tree
