@@ -5,12 +5,12 @@ export PYTHONPATH=$PWD MOEJAX_PALLAS_INTERPRET=0
 B=scripts/bench_kernels.py
 python $B --only mla --batch 256 --context 2048 --heads 16 --kv bf16 --sweep --grid \
   '[{"tile":["gather"],"block_h":[16],"block_t":[32,64,128],"num_warps":[4,8],"num_stages":[2,3]},
-    {"tile":["gather"],"block_h":[16],"block_t":[64],"num_warps":[4],"num_stages":[2,3],"num_splits":[2]}]' > $OUT/g_mla16.txt 2>&1
+    {"tile":["gather"],"block_h":[16],"block_t":[64],"num_warps":[4],"num_stages":[2,3],"num_splits":[2]}]' > $OUT/kernels_mla16_gather_sweep.txt 2>&1
 python $B --only mla --batch 256 --context 2048 --heads 128 --kv bf16 --sweep --grid \
   '[{"tile":["gather"],"block_h":[16,32],"block_t":[32,64],"num_warps":[4,8],"num_stages":[2,3]},
-    {"tile":["gather"],"block_h":[64],"block_t":[32],"num_warps":[8],"num_stages":[2]}]' > $OUT/g_mla128.txt 2>&1
+    {"tile":["gather"],"block_h":[64],"block_t":[32],"num_warps":[8],"num_stages":[2]}]' > $OUT/kernels_mla128_gather_sweep.txt 2>&1
 python $B --only mfa --batch 32 256 --sweep --grid \
-  '{"tile":["gather"],"block_h":[16,32],"block_t":[32,64],"num_warps":[4,8],"num_stages":[2]}' > $OUT/g_mfa.txt 2>&1
+  '{"tile":["gather"],"block_h":[16,32],"block_t":[32,64],"num_warps":[4,8],"num_stages":[2]}' > $OUT/kernels_mfa_gather_sweep.txt 2>&1
 python $B --only moe --moe-shapes v3-ep8 v2-lite step3-ep8 --tokens 8 32 --sweep --grid \
-  '{"block_n_down":[64,128],"block_k_down":[64,128]}' > $OUT/g_moe.txt 2>&1
-for f in $OUT/g_*.txt; do echo "== $f"; grep -v failed $f | sort -k5 -n -t' ' | cut -c1-230 | head -8; done
+  '{"block_n_down":[64,128],"block_k_down":[64,128]}' > $OUT/kernels_moe_down_sweep.txt 2>&1
+for f in $OUT/kernels_*_gather_sweep.txt $OUT/kernels_moe_down_sweep.txt; do echo "== $f"; grep -v failed $f | sort -k5 -n -t' ' | cut -c1-230 | head -8; done

@@ -13,5 +13,5 @@ $NCU -k regex:moe python $B --only moe --moe-shapes v2-lite --tokens 8 > $OUT/nc
 $NCU -k regex:moe_down python $B --only moe --moe-shapes v2-lite --tokens 8 > $OUT/ncu_moe_down.txt 2>&1
 grep -h -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|DRAM Through|Block Limit|Shared Memory Config|Dynamic Shared|Waves Per SM|Grid Size|Block Size" $OUT/ncu_*.txt
 # values through their own load (v_offset=0: the same columns read twice) vs the key tile reused
-python $B --only mla --batch 256 --context 2048 --heads 16 128 --kv bf16 --sweep --grid '{"v_offset":[0]}' > $OUT/mla_vload.txt 2>&1
-cut -c1-200 $OUT/mla_vload.txt
+python $B --only mla --batch 256 --context 2048 --heads 16 128 --kv bf16 --sweep --grid '{"v_offset":[0]}' > $OUT/kernels_mla_vload_sweep.txt 2>&1
+cut -c1-200 $OUT/kernels_mla_vload_sweep.txt
