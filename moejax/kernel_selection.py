@@ -130,7 +130,7 @@ def select_moe(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, 
         return Choice("xla", reason="dims below the Triton dot minimum (16)")
     rocm = platform() == "rocm"
     per_expert = num_rows / max(num_experts, 1)
-    # Best of the H200 sweep (benchmarks/moe_sweep_2026-12-02b.txt, DeepSeek-V3 EP8 share).
+    # Best of the H200 sweep (benchmarks/2026-12-02b/kernels_moe_sweep.txt, DeepSeek-V3 EP8 share).
     if per_expert <= 16:  # decode: weight streaming; 128-wide tiles read 256 B runs of each weight row
         p = dict(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=64, num_warps=4, num_stages=3)
     elif per_expert <= 64:
@@ -244,7 +244,7 @@ def select_mfa(batch: int, heads: int, head_dim: int, groups: int, max_len: int,
         return Choice("xla", reason="head_dim not a power of two >= 16 (Triton blocks)")
     if not forced and _slow_fp8(heads, cache_dtype):
         return Choice("xla", reason=_slow_fp8.__doc__)
-    # H200, Step3 shapes (64 heads x 256, context 4096; BENCHMARKS.md, benchmarks/2026-12-03b/g_mfa.txt):
+    # H200, Step3 shapes (64 heads x 256, context 4096; BENCHMARKS.md, benchmarks/2026-12-03b/kernels_mfa_gather_sweep.txt):
     # the gather tile with 32-head blocks, 1.77x the XLA path at batch 256.
     p = _paged_decode_params(batch, heads, max_len, block_size, cache_dtype)
     return Choice("pallas", p, "forced" if forced else "gpu")
