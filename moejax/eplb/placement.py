@@ -2,8 +2,10 @@
 
 There are E logical experts and P = E + num_redundant physical slots, P / ranks per
 rank (slot s lives on rank s // (P / ranks)). A hot expert may own several slots
-(replicas); a token routed to it goes to replica ``token_index % num_replicas``, so
-its tokens are split evenly among them.
+(replicas); a token routed to it from data-parallel rank r goes to replica
+``r % num_replicas`` (moejax/parallel/dispatch.py ``physical_slots``), so with balanced
+per-rank batches its tokens are split evenly among them, and the split is predictable
+from per-rank counts.
 
 ``balanced_placement`` solves the balanced number-partitioning problem the way
 EPLB does: replicas to the experts with the highest load per replica, then a

@@ -5,6 +5,7 @@ A quantised ``X.weight`` [out, in] comes with ``X.weight_scale_inv``
 For now they are dequantised on load.
 """
 
+import ml_dtypes
 import numpy as np
 
 
@@ -21,7 +22,6 @@ def dequantize_block_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple
 
 def quantize_block_fp8(weight: np.ndarray, block: tuple[int, int] = (128, 128)):
     """float weight [out, in] -> (float8_e4m3fn weight, float32 scale_inv). For tests and tiny checkpoints."""
-    import ml_dtypes
     bo, bi = block
     out, inn = weight.shape
     nbo, nbi = -(-out // bo), -(-inn // bi)
