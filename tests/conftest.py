@@ -4,13 +4,54 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import random  # noqa: E402
+import secrets  # noqa: E402
+
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from moejax.tiny.presets import preset  # noqa: E402
 
+# Fresh random inputs every run, but replayable: every unseeded np.random.default_rng() draws
+# from one seed per test (printed with a failure), and MOEJAX_TEST_SEED=<seed> replays it.
+SEED_ENV = "MOEJAX_TEST_SEED"
+_default_rng = np.random.default_rng
+_state = {"seed": int(os.environ.get(SEED_ENV) or secrets.randbits(32))}
+_state["seq"] = np.random.SeedSequence(_state["seed"])  # session fixtures draw from the session seed
+
+
+def _seeded_default_rng(seed=None):
+    return _default_rng(_state["seq"].spawn(1)[0] if seed is None else seed)
+
+
+np.random.default_rng = _seeded_default_rng
+
+
+def pytest_report_header(config):
+    return f"moejax: session seed {_state['seed']} (replay with {SEED_ENV}={_state['seed']})"
+
+
+@pytest.fixture(autouse=True)
+def random_seed(request):
+    """The seed of this test's unseeded generators; recorded on failure."""
+    seed = int(os.environ.get(SEED_ENV) or secrets.randbits(32))
+    _state["seq"] = np.random.SeedSequence(seed)
+    random.seed(seed)
+    request.node.moejax_seed = seed
+    return seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    seed = getattr(item, "moejax_seed", None)
+    if rep.failed and seed is not None:
+        rep.sections.append(("moejax seed", f"unseeded random inputs drew from seed {seed}; replay with\n"
+                                            f"  {SEED_ENV}={seed} python -m pytest '{item.nodeid}'"))
+
 
 def rel_err(a, b):
-    import numpy as np
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 

@@ -107,3 +107,32 @@ def test_family_name_table_round_trips_every_parameter(family):
             ref = family.hf_to_param(name)
             assert ref is not None and ref.path == path and ref.expert == e, (name, ref, path)
             assert ref.stacked == (is_stacked_expert(path) and family.experts_stacked_on_disk), name
+
+
+def test_a_failing_test_reports_its_seed_and_the_seed_replays_it(tmp_path):
+    """The conftest's seed mechanism end to end: a failing test's report names its seed, and running
+    it again with that seed draws the same 'fresh' random numbers."""
+    import os
+    import re
+    import subprocess
+    import sys
+    (tmp_path / "test_draw.py").write_text(
+        "import numpy as np\n"
+        "def test_draw():\n"
+        "    x = np.random.default_rng().random()\n"
+        "    print(f'DRAW={x!r}')\n"
+        "    assert False\n")
+
+    def run(seed=None):
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+        env.pop("MOEJAX_TEST_SEED", None)
+        if seed is not None:
+            env["MOEJAX_TEST_SEED"] = seed
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                              str(tmp_path / "test_draw.py")], capture_output=True, text=True, env=env,
+                             cwd=tmp_path).stdout
+        return re.search(r"^DRAW=(\S+)$", out, re.M).group(1), re.search(r"MOEJAX_TEST_SEED=(\d+)", out).group(1)
+
+    draw, seed = run()
+    assert run(seed) == (draw, seed)
+    assert run()[0] != draw  # fresh without the seed
