@@ -3,6 +3,7 @@
 
   python scripts/serve.py                                # the embedded tiny RANDOM-weight model
   python scripts/serve.py --model /path/to/DeepSeek-V2-Lite --port 8000
+  python scripts/serve.py --model /path/to/DeepSeek-V3 --parallel dp8-ep8 --kernels auto --kv-cache-dtype fp8
 
 Endpoints: /v1/completions, /v1/chat/completions (SSE streaming, stream_options.include_usage),
 /v1/models, /health, /metrics (Prometheus, vLLM metric names + moejax decode-only throughput).
@@ -12,18 +13,22 @@ streaming client (scripts/bench_serve.py), as `vllm bench serve` uses aiohttp to
 """
 
 import argparse
-import inspect
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF checkpoint directory (default: the embedded tiny random model)")
     ap.add_argument("--served-model-name", help="the name clients use (default: the --model argument)")
-    ap.add_argument("--parallel", help="a parallelism config (configs/...), passed to moejax.load when supported")
+    ap.add_argument("--parallel", help="parallel layout, passed to moejax.load: dp{N}-ep{N} (e.g. dp8-ep8), a "
+                                       "shipped layout (e.g. dp8-ep8-eplb) or a path to a .yaml file")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                    help="auto: the model dtype; fp8: e4m3 rows with a per-row scale (DeepSeek MLA only)")
+    ap.add_argument("--kernels", choices=["auto", "pallas", "xla"], default="auto",
+                    help="auto: Pallas on GPU, XLA on CPU")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -32,20 +37,25 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def build_load_kwargs(a: argparse.Namespace) -> dict:
+    """moejax.load's keyword arguments from the parsed command line."""
+    return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, block_size=a.block_size,
+                num_kv_blocks=a.num_kv_blocks, max_prefill_tokens=a.max_prefill_tokens, parallel=a.parallel,
+                kv_cache_dtype=a.kv_cache_dtype, kernels=a.kernels)
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
 
     import moejax
     from aiohttp import web
 
     from moejax.server.app import make_app
 
-    kw = dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, block_size=a.block_size,
-              num_kv_blocks=a.num_kv_blocks, max_prefill_tokens=a.max_prefill_tokens)
-    if a.parallel:
-        if "parallel" not in inspect.signature(moejax.load).parameters:
-            ap.error("--parallel: expert parallelism is not yet available in this moejax (moejax.load has no "
-                     "'parallel' argument)")
-        kw["parallel"] = a.parallel
+    kw = build_load_kwargs(a)
     path, name = a.model, a.served_model_name
     if path is None:
         from moejax.tiny.default_model import default_model_path

@@ -1,17 +1,55 @@
-"""Parallel layout read from ``configs/<name>.yaml`` (or a path to such a file)."""
+"""Parallel layouts: ``ParallelConfig.load(spec)``.
+
+``spec`` is one of
+
+- ``dp{N}-ep{N}`` (any N >= 1, both numbers equal): generated here with the defaults, no file
+  (moe_backend a2a, no EPLB);
+- the name of a layout shipped with the package (the repository's top-level ``configs/``, installed
+  as the package data ``moejax/configs/*.yaml``), e.g. ``dp8-ep8-eplb``, the example that
+  documents every field;
+- a path to a YAML file (it contains a path separator or ends in ``.yaml``/``.yml``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
+import re
+from pathlib import Path
 
 import yaml
 
 from moejax.parallel.dispatch import BACKENDS
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+GENERATED_PATTERN = "dp{N}-ep{N}"
+_GENERATED = re.compile(r"dp([1-9][0-9]*)-ep([1-9][0-9]*)")
 _FIELDS = {"data_parallel_size", "expert_parallel_size", "moe_backend", "num_redundant_experts",
            "eplb_interval", "eplb_window"}
+_SUFFIXES = (".yaml", ".yml")
+
+
+def layout_dir():
+    """Where the shipped layouts are: ``moejax/configs`` in an installed wheel (read through
+    importlib.resources), else the repository's ``configs/`` next to the package (a source
+    tree, or an editable install, whose ``moejax`` is the repository's)."""
+    installed = importlib.resources.files("moejax").joinpath("configs")
+    if installed.is_dir():
+        return installed
+    return Path(__file__).resolve().parents[2] / "configs"
+
+
+def shipped_layouts() -> dict:
+    """Shipped layout name -> resource (a Traversable with read_text)."""
+    d = layout_dir()
+    if not d.is_dir():
+        return {}
+    return {f.name.rsplit(".", 1)[0]: f for f in d.iterdir() if f.is_file() and f.name.endswith(_SUFFIXES)}
+
+
+def _is_path(spec: str) -> bool:
+    seps = {"/", os.sep} | ({os.altsep} if os.altsep else set())
+    return any(s in spec for s in seps) or spec.endswith(_SUFFIXES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,24 +67,46 @@ class ParallelConfig:
         return self.data_parallel_size
 
     @classmethod
-    def load(cls, spec: str) -> "ParallelConfig":
-        path = spec if os.path.sep in spec or spec.endswith((".yaml", ".yml")) else os.path.join(CONFIG_DIR, spec + ".yaml")
-        if not os.path.exists(path):
-            names = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml")) if os.path.isdir(CONFIG_DIR) else []
-            raise ValueError(f"parallel config {spec!r} not found (known names: {names})")
-        with open(path) as f:
-            d = yaml.safe_load(f) or {}
-        unknown = sorted(set(d) - _FIELDS)
+    def load(cls, spec) -> "ParallelConfig":
+        spec = os.fspath(spec)
+        m = _GENERATED.fullmatch(spec)
+        if m and m.group(1) == m.group(2):
+            n = int(m.group(1))
+            return cls._checked(spec, spec, dict(data_parallel_size=n, expert_parallel_size=n))
+        if _is_path(spec):
+            if not os.path.isfile(spec):
+                raise ValueError(f"parallel layout file {spec!r} not found")
+            with open(spec) as f:
+                text = f.read()
+            where, name = spec, os.path.splitext(os.path.basename(spec))[0]
+        else:
+            shipped = shipped_layouts()
+            if spec not in shipped:
+                known = ", ".join(sorted(shipped)) or f"none found in {layout_dir()}"
+                hint = (f" (in {GENERATED_PATTERN} both numbers are the same N >= 1)"
+                        if re.fullmatch(r"dp[0-9]+-ep[0-9]+", spec) else "")
+                raise ValueError(f"parallel layout {spec!r} not found{hint}; known: {GENERATED_PATTERN} for any "
+                                 f"N >= 1 (generated, e.g. dp8-ep8), the shipped layouts ({known}), or a path "
+                                 f"to a .yaml file")
+            text, where, name = shipped[spec].read_text(), str(shipped[spec]), spec
+        d = yaml.safe_load(text) or {}
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a mapping of fields, got {type(d).__name__}")
+        return cls._checked(name, where, d)
+
+    @classmethod
+    def _checked(cls, name: str, where: str, d: dict) -> "ParallelConfig":
+        unknown = sorted(set(d) - _FIELDS, key=str)
         if unknown:
-            raise ValueError(f"{path}: unknown field(s) {unknown}; known: {sorted(_FIELDS)}")
-        pc = cls(name=os.path.splitext(os.path.basename(path))[0], **d)
+            raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(_FIELDS)}")
+        pc = cls(name=name, **d)
         for f, lo in (("data_parallel_size", 1), ("expert_parallel_size", 1), ("num_redundant_experts", 0),
                       ("eplb_interval", 0), ("eplb_window", 1)):
             v = getattr(pc, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"{path}: {f} must be an integer >= {lo}, got {v!r}")
+                raise ValueError(f"{where}: {f} must be an integer >= {lo}, got {v!r}")
         if pc.data_parallel_size != pc.expert_parallel_size:
-            raise ValueError(f"{path}: data_parallel_size must equal expert_parallel_size (one mesh axis serves both)")
+            raise ValueError(f"{where}: data_parallel_size must equal expert_parallel_size (one mesh axis serves both)")
         if pc.moe_backend not in BACKENDS:
-            raise ValueError(f"{path}: moe_backend must be one of {BACKENDS}, got {pc.moe_backend!r}")
+            raise ValueError(f"{where}: moe_backend must be one of {BACKENDS}, got {pc.moe_backend!r}")
         return pc

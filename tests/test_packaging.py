@@ -1,0 +1,242 @@
+"""Packaging: the parallel layouts ship inside the package (the repository's configs/ becomes
+moejax.configs), dp{N}-ep{N} layouts are generated, and scripts/serve.py forwards moejax.load's
+options. The slow test builds the wheel, installs it (not editable) into a fresh venv and loads
+layouts from that install; then installs the same tree editable into the venv and checks again."""
+
+import importlib.util
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from moejax.parallel.config import _FIELDS, ParallelConfig, shipped_layouts
+from moejax.parallel.dispatch import BACKENDS
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = "dp8-ep8-eplb"
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+# --- layouts, from this tree --------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 64])
+def test_generated_layouts(n):
+    pc = ParallelConfig.load(f"dp{n}-ep{n}")
+    assert pc == ParallelConfig(name=f"dp{n}-ep{n}", data_parallel_size=n, expert_parallel_size=n,
+                                moe_backend="a2a", num_redundant_experts=0, eplb_interval=0, eplb_window=1000)
+    assert pc.num_ranks == n
+
+
+@pytest.mark.parametrize("spec", ["dp2-ep4", "dp0-ep0", "dp02-ep02", "nope", "dp8-ep8-eplbx"])
+def test_unknown_names_list_the_choices(spec):
+    with pytest.raises(ValueError) as e:
+        ParallelConfig.load(spec)
+    msg = str(e.value)
+    assert repr(spec) in msg and "not found" in msg and "dp{N}-ep{N}" in msg and EXAMPLE in msg
+
+
+def test_shipped_example():
+    assert EXAMPLE in shipped_layouts()
+    pc = ParallelConfig.load(EXAMPLE)
+    assert (pc.name, pc.data_parallel_size, pc.expert_parallel_size, pc.moe_backend) == (EXAMPLE, 8, 8, "a2a")
+    assert pc.num_redundant_experts > 0 and pc.eplb_interval > 0 and pc.eplb_window >= 1
+    text = (REPO / "configs" / f"{EXAMPLE}.yaml").read_text()
+    # every field is set (so documented in place), every backend is described
+    keys = set(re.findall(r"^([a-z_]+):", text, re.M))
+    assert keys == _FIELDS, keys ^ _FIELDS
+    for b in BACKENDS:
+        assert re.search(rf"^#\s+{b}\s", text, re.M), b
+    # the same file read as a path gives the same layout
+    assert ParallelConfig.load(str(REPO / "configs" / f"{EXAMPLE}.yaml")) == pc
+
+
+def test_no_shipped_layout_is_shadowed_by_the_generated_names():
+    for name in shipped_layouts():
+        assert not re.fullmatch(r"dp[0-9]+-ep[0-9]+", name), \
+            f"configs/{name}.yaml: dp{{N}}-ep{{N}} names are generated; give the file another name"
+
+
+def test_layout_files_are_validated(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("data_parallel_size: 4\nexpert_parallel_size: 4\nmoe_backend: replicated\neplb_interval: 5\n")
+    pc = ParallelConfig.load(str(p))
+    assert (pc.name, pc.num_ranks, pc.moe_backend, pc.eplb_interval) == ("mine", 4, "replicated", 5)
+    assert ParallelConfig.load(p) == pc  # a pathlib.Path works too
+    for body, needle in [("data_parallel_size: 2\nexpert_parallel_size: 2\nbogus: 1\n", "unknown field"),
+                         ("data_parallel_size: 2\nexpert_parallel_size: 4\n", "must equal"),
+                         ("data_parallel_size: 0\nexpert_parallel_size: 0\n", "integer >= 1"),
+                         ("eplb_window: 0\n", "integer >= 1"),
+                         ("num_redundant_experts: true\n", "integer >= 0"),
+                         ("moe_backend: nccl\n", "moe_backend must be one of")]:
+        p.write_text(body)
+        with pytest.raises(ValueError, match=needle):
+            ParallelConfig.load(str(p))
+    with pytest.raises(ValueError, match="not found"):
+        ParallelConfig.load(str(tmp_path / "missing.yaml"))
+
+
+def test_pyproject_lists_every_package():
+    """pyproject.toml lists the packages explicitly (a find cannot map configs/ to moejax.configs)."""
+    cfg = _pyproject()["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    assert cfg["package-dir"] == {"moejax.configs": "configs"}
+    want = {"moejax.configs"}
+    for top in ("moejax", "pallas_kernels"):
+        for d, dirs, files in os.walk(REPO / top):
+            dirs[:] = [x for x in dirs if x != "__pycache__" and not x.startswith(".")]
+            if any(f.endswith(".py") for f in files):
+                want.add(".".join(Path(d).relative_to(REPO).parts))
+    assert not want - listed, f"add {sorted(want - listed)} to [tool.setuptools] packages in pyproject.toml"
+    assert not listed - want, f"pyproject.toml lists packages that do not exist: {sorted(listed - want)}"
+
+
+# --- the wheel (and editable) install in a fresh venv ------------------------------------------------
+
+_CHECK = textwrap.dedent("""
+    import dataclasses, importlib.metadata, importlib.resources, json, sys
+    import moejax
+    from moejax.parallel.config import ParallelConfig, layout_dir, shipped_layouts
+    res = importlib.resources.files("moejax.configs")
+    dist = importlib.metadata.distribution("moejax")
+    print(json.dumps({
+        "moejax": moejax.__file__,
+        "layout_dir": str(layout_dir()),
+        "configs_resource": str(res),
+        "configs_files": sorted(f.name for f in res.iterdir() if f.name.endswith(".yaml")),
+        "shipped": sorted(shipped_layouts()),
+        "dp2": dataclasses.asdict(ParallelConfig.load("dp2-ep2")),
+        "example": dataclasses.asdict(ParallelConfig.load(sys.argv[1])),
+        "dist_files": sorted(str(f) for f in dist.files or () if "configs" in str(f)),
+        "editable": dist.read_text("direct_url.json"),  # PEP 610: dir_info.editable for -e
+    }))
+""")
+
+
+def _run(cmd, **kw):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV")}
+    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, **kw)
+    assert p.returncode == 0, f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+def _pip_can_target_other_pythons() -> bool:
+    import pip
+    return tuple(int(x) for x in re.findall(r"\d+", pip.__version__)[:2]) >= (22, 3)
+
+
+def _no_isolation_ok() -> bool:
+    """Build offline with this interpreter's setuptools when it meets pyproject's requirement."""
+    import importlib.metadata
+    try:  # not imported here: setuptools' distutils shim clashes with a distutils already imported
+        version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return int(re.match(r"\d+", version).group()) >= 68
+
+
+def _copy_tree(dst: Path) -> Path:
+    """What the build needs (pyproject, readme, the package directories), without build outputs."""
+    cfg = _pyproject()
+    tops = {p.split(".")[0] for p in cfg["tool"]["setuptools"]["packages"]}
+    tops |= {d.split("/")[0] for d in cfg["tool"]["setuptools"]["package-dir"].values()}
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist")
+    dst.mkdir()
+    for name in ("pyproject.toml", cfg["project"]["readme"]):
+        shutil.copy2(REPO / name, dst / name)
+    for top in sorted(tops):
+        shutil.copytree(REPO / top, dst / top, ignore=ignore)
+    return dst
+
+
+def test_wheel_and_editable_install_in_fresh_venv(tmp_path):
+    if importlib.util.find_spec("pip") is None or importlib.util.find_spec("venv") is None:
+        pytest.fail(f"{sys.executable} lacks pip or venv, which this test needs to build and install the wheel")
+    if not _pip_can_target_other_pythons():
+        pytest.fail("pip >= 22.3 needed (pip --python); upgrade pip")
+    src = _copy_tree(tmp_path / "src")
+    build_flags = ["--no-build-isolation"] if _no_isolation_ok() else []  # else pip fetches setuptools
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *build_flags, "-w", tmp_path / "dist", src])
+    wheels = list((tmp_path / "dist").glob("moejax-*.whl"))
+    assert len(wheels) == 1, wheels
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv])
+    py = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    if sys.prefix != sys.base_prefix:
+        # run from a venv (.ci/run): --system-site-packages gives the base interpreter's packages, so add
+        # this venv's (jax, yaml, ...) after the new venv's own; their .pth files are not processed, so an
+        # editable moejax there is not importable from the new venv
+        purelib = _run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).strip()
+        outer = dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")])
+        Path(purelib, "_outer_env.pth").write_text("\n".join(outer) + "\n")
+    pip = [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps"]
+    work = tmp_path / "cwd"  # neither the source tree nor the copy: moejax must come from the venv
+    work.mkdir()
+    check = tmp_path / "check.py"
+    check.write_text(_CHECK)
+
+    _run([*pip, "--no-index", "--force-reinstall", wheels[0]])
+    r = json.loads(_run([py, "-I", check, EXAMPLE], cwd=work))
+    site = Path(r["moejax"]).resolve().parent.parent
+    assert Path(r["moejax"]).resolve().is_relative_to(venv.resolve()), f"moejax imported from {r['moejax']}"
+    assert not json.loads(r["editable"] or "{}").get("dir_info", {}).get("editable"), r["editable"]
+    shipped = sorted(f.name for f in (REPO / "configs").glob("*.yaml"))
+    assert f"{EXAMPLE}.yaml" in shipped and r["configs_files"] == shipped
+    assert Path(r["layout_dir"]).resolve() == Path(r["configs_resource"]).resolve() == site / "moejax" / "configs"
+    assert {f"moejax/configs/{f}" for f in shipped} <= set(r["dist_files"])
+    assert r["shipped"] == [f[:-5] for f in shipped]
+    assert r["dp2"] == dict(name="dp2-ep2", data_parallel_size=2, expert_parallel_size=2, moe_backend="a2a",
+                            num_redundant_experts=0, eplb_interval=0, eplb_window=1000)
+    assert r["example"] == dict(name=EXAMPLE, **{k: v for k, v in ParallelConfig.load(EXAMPLE).__dict__.items()
+                                                  if k != "name"})
+
+    # the same tree, editable (as .ci/run installs it): moejax and moejax.configs map to the tree
+    _run([*pip, *build_flags, "-e", src])  # isolated (fetching setuptools) as the wheel build was
+    r = json.loads(_run([py, "-I", check, EXAMPLE], cwd=work))
+    assert Path(r["moejax"]).resolve() == (src / "moejax" / "__init__.py").resolve()
+    assert r["editable"] is not None and json.loads(r["editable"])["dir_info"].get("editable")
+    assert Path(r["layout_dir"]).resolve() == Path(r["configs_resource"]).resolve() == (src / "configs").resolve()
+    assert r["configs_files"] == shipped and r["shipped"] == [f[:-5] for f in shipped]
+    assert r["dp2"]["data_parallel_size"] == 2 and r["example"]["name"] == EXAMPLE
+
+
+# --- scripts/serve.py -----------------------------------------------------------------------------
+
+def _serve_module():
+    spec = importlib.util.spec_from_file_location("moejax_serve_script", REPO / "scripts" / "serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_serve_forwards_load_options():
+    import moejax
+    serve = _serve_module()
+    ap = serve.build_parser()
+    kw = serve.build_load_kwargs(ap.parse_args(["--parallel", "dp2-ep2", "--kv-cache-dtype", "fp8",
+                                                "--kernels", "xla", "--dtype", "float32", "--max-num-seqs", "4"]))
+    assert (kw["parallel"], kw["kv_cache_dtype"], kw["kernels"], kw["dtype"], kw["max_num_seqs"]) == \
+        ("dp2-ep2", "fp8", "xla", "float32", 4)
+    kw = serve.build_load_kwargs(ap.parse_args([]))
+    assert (kw["parallel"], kw["kv_cache_dtype"], kw["kernels"]) == (None, "auto", "auto")
+    # everything forwarded is a moejax.load parameter, with the same default
+    params = inspect.signature(moejax.load).parameters
+    for k, v in kw.items():
+        assert k in params, k
+        assert params[k].default == v, (k, params[k].default, v)
+    for bad in (["--kernels", "triton"], ["--kv-cache-dtype", "int8"]):
+        with pytest.raises(SystemExit):
+            ap.parse_args(bad)
