@@ -23,7 +23,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--parallel", default=None, help="a layout under configs/ (e.g. dp8-ep8) or a path to one")
+    ap.add_argument("--parallel", default=None, help="a parallel layout: dp{N}-ep{N} (e.g. dp8-ep8), a layout shipped in configs/, or a path to a .yaml")
     a = ap.parse_args(argv)
 
     path = a.model
