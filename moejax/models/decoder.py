@@ -1,10 +1,18 @@
 """What every decoder-only model here shares: pre-norm residual blocks and the
 embed -> layers -> norm -> lm_head stack, with the prefill / decode / logits
-interface the runner calls. A model subclasses both and only builds its parts
-in ``setup`` (attention, the MLP of each layer)."""
+interface the runner calls. A family subclasses both: its layer names its attention
+class, its causal LM names its layer class. Parameter names are HF's (embed_tokens, layers_N/self_attn, ...)."""
+
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
+
+from moejax.layers.linear import Embedding, Linear
+from moejax.layers.mlp import GatedMLP
+from moejax.layers.moe import MoE
+from moejax.layers.norm import RMSNorm
+from moejax.parallel.dispatch import ExpertParallel
 
 
 def real_tokens(cache, slots):
@@ -13,8 +21,33 @@ def real_tokens(cache, slots):
 
 
 class PreNormDecoderLayer(nn.Module):
-    """Subclasses set input_layernorm, post_attention_layernorm, self_attn and define
-    ``ffn(normed_hidden, valid)``."""
+    """RMSNorm -> attention -> residual -> RMSNorm -> ffn -> residual. Subclasses set
+    ``attention`` (a module class built as attention(cfg, layer, dtype)); the ffn is the MoE
+    block on the config's MoE layers and a dense SiLU MLP elsewhere. A family with more in
+    its ffn (Step3's shared expert) adds modules in ``setup_extra`` and overrides ``ffn``."""
+    cfg: Any
+    layer: int
+    dtype: Any = jnp.float32
+    ep: ExpertParallel = ExpertParallel()
+    attention: ClassVar[type]
+
+    def setup(self):
+        c = self.cfg
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.self_attn = self.attention(c, self.layer, self.dtype)
+        if c.is_moe_layer(self.layer):
+            self.mlp = MoE(c, self.dtype, self.ep)
+        else:
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, self.dtype)
+        self.setup_extra()
+
+    def setup_extra(self):
+        pass
+
+    def ffn(self, x, valid):
+        """valid: which tokens are real (padding is not routed to experts)."""
+        return self.mlp(x, valid) if self.cfg.is_moe_layer(self.layer) else self.mlp(x)
 
     def prefill(self, x, positions, seq_lens, cache, slots):
         a, cache = self.self_attn.prefill(self.input_layernorm(x), positions, seq_lens, cache, slots)
@@ -29,7 +62,18 @@ class PreNormDecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Subclasses set embed_tokens, layers, norm and lm_head."""
+    """Subclasses set ``decoder_layer`` (their PreNormDecoderLayer)."""
+    cfg: Any
+    dtype: Any = jnp.float32
+    ep: ExpertParallel = ExpertParallel()
+    decoder_layer: ClassVar[type]
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, self.dtype)
+        self.layers = [self.decoder_layer(c, i, self.dtype, self.ep) for i in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, self.dtype)
 
     def prefill(self, tokens, positions, seq_lens, cache=None, slots=None):
         """tokens [B, S] -> final hidden states [B, S, H] (before the last norm), cache."""

@@ -21,19 +21,12 @@ import os
 import re
 from typing import Any
 
-import jax.numpy as jnp
-
-from moejax.layers.linear import Embedding, Linear
 from moejax.layers.mla import MLA
-from moejax.layers.mlp import GatedMLP
-from moejax.layers.moe import MoE
-from moejax.layers.norm import RMSNorm
 from moejax.layers.rope import RopeConfig, yarn_mscale
 from moejax.models.decoder import CausalLM, PreNormDecoderLayer
 from moejax.models.family import ModelFamily
 from moejax.models.hf_config import bad, eos_ids, fp8_block, refuse_flags, refuse_unknown, require_positive_ints
-from moejax.parallel.dispatch import ExpertParallel
-from moejax.weights.param_tree import ParamRef
+from moejax.weights.param_tree import TOP_LEVEL, TOP_LEVEL_NAME, ParamRef
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
@@ -225,52 +218,22 @@ def parse_config(d: dict[str, Any]) -> DeepseekConfig:
 
 # ----------------------------------------------------------------------------- model
 class DecoderLayer(PreNormDecoderLayer):
-    cfg: DeepseekConfig
-    layer: int
-    dtype: Any = jnp.float32
-    ep: ExpertParallel = ExpertParallel()
-
-    def setup(self):
-        c = self.cfg
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
-        self.self_attn = MLA(c, self.layer, self.dtype)
-        if c.is_moe_layer(self.layer):
-            self.mlp = MoE(c, self.dtype, self.ep)
-        else:
-            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, self.dtype)
-
-    def ffn(self, x, valid):
-        return self.mlp(x, valid) if self.cfg.is_moe_layer(self.layer) else self.mlp(x)
+    attention = MLA  # the ffn: dense on the first first_k_dense_replace layers, MoE after
 
 
 class DeepseekForCausalLM(CausalLM):
-    cfg: DeepseekConfig
-    dtype: Any = jnp.float32
-    ep: ExpertParallel = ExpertParallel()
-
-    def setup(self):
-        c = self.cfg
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, self.dtype)
-        self.layers = [DecoderLayer(c, i, self.dtype, self.ep) for i in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, self.dtype)
+    decoder_layer = DecoderLayer
 
 
 # ----------------------------------------------------------------------------- HF names
-_TOP = {
-    "model.embed_tokens.weight": ("embed_tokens", "weight"),
-    "model.norm.weight": ("norm", "weight"),
-    "lm_head.weight": ("lm_head", "weight"),
-}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 
 
 def hf_to_param(name: str) -> ParamRef | None:
     """Where an HF tensor goes, or None if the name is not a model weight we know."""
-    if name in _TOP:
-        return ParamRef(_TOP[name])
+    if name in TOP_LEVEL:
+        return ParamRef(TOP_LEVEL[name])
     m = _EXPERT.match(name)
     if m:
         layer, e, proj = int(m.group(1)), int(m.group(2)), m.group(3)
@@ -283,9 +246,8 @@ def hf_to_param(name: str) -> ParamRef | None:
 
 def param_to_hf(path: tuple[str, ...], expert: int | None = None) -> str:
     """Inverse of hf_to_param, for messages and for writing HF checkpoints."""
-    for hf, p in _TOP.items():
-        if p == path:
-            return hf
+    if path in TOP_LEVEL_NAME:
+        return TOP_LEVEL_NAME[path]
     layer = path[0].removeprefix("layers_")
     if path[1:3] == ("mlp", "experts"):
         return f"model.layers.{layer}.mlp.experts.{expert if expert is not None else '*'}.{path[3]}.weight"

@@ -29,21 +29,16 @@ import dataclasses
 import re
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
-from moejax.layers.linear import Embedding, Linear
 from moejax.layers.mfa import MFA
 from moejax.layers.mlp import GatedMLP
-from moejax.layers.moe import MoE
-from moejax.layers.norm import RMSNorm
 from moejax.layers.rope import RopeConfig
 from moejax.models.decoder import CausalLM, PreNormDecoderLayer
 from moejax.models.family import ModelFamily
 from moejax.models.hf_config import (bad, eos_ids, fp8_block, is_int, refuse_flags, refuse_unknown,
                                      require_positive_ints)
-from moejax.parallel.dispatch import ExpertParallel
-from moejax.weights.param_tree import ParamRef
+from moejax.weights.param_tree import TOP_LEVEL, TOP_LEVEL_NAME, ParamRef
 
 MODEL_TYPES = ("step3_text", "step3_vl")
 
@@ -227,23 +222,14 @@ def parse_config(d: dict[str, Any]) -> Step3Config:
 
 # ----------------------------------------------------------------------------- model
 class Step3DecoderLayer(PreNormDecoderLayer):
-    cfg: Step3Config
-    layer: int
-    dtype: Any = jnp.float32
-    ep: ExpertParallel = ExpertParallel()
+    attention = MFA
 
-    def setup(self):
+    def setup_extra(self):
+        # The MoE block adds no shared expert (Step3Config.n_shared_experts = 0): Step3's own
+        # shared expert sits beside it, on the MoE layers.
         c = self.cfg
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
-        self.self_attn = MFA(c, self.layer, self.dtype)
         if c.is_moe_layer(self.layer):
-            # Router + routed experts (softmax top-k, not renormalised); Step3's config has
-            # n_shared_experts = 0 so MoE adds none: the shared expert is the layer's own.
-            self.mlp = MoE(c, self.dtype, self.ep)
             self.share_expert = GatedMLP(c.hidden_size, c.share_expert_dim, self.dtype)
-        else:
-            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, self.dtype)
 
     def ffn(self, x, valid):
         if not self.cfg.is_moe_layer(self.layer):
@@ -252,24 +238,10 @@ class Step3DecoderLayer(PreNormDecoderLayer):
 
 
 class Step3ForCausalLM(CausalLM):
-    cfg: Step3Config
-    dtype: Any = jnp.float32
-    ep: ExpertParallel = ExpertParallel()
-
-    def setup(self):
-        c = self.cfg
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, self.dtype)
-        self.layers = [Step3DecoderLayer(c, i, self.dtype, self.ep) for i in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, self.dtype)
+    decoder_layer = Step3DecoderLayer
 
 
 # ----------------------------------------------------------------------------- HF names
-_TOP = {
-    "model.embed_tokens.weight": ("embed_tokens", "weight"),
-    "model.norm.weight": ("norm", "weight"),
-    "lm_head.weight": ("lm_head", "weight"),
-}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 _EXPERTS = re.compile(r"moe\.(gate_proj|up_proj|down_proj)\.weight$")
 # Top-level modules of the Step3-VL checkpoint (and common VL spellings) that belong to the vision side.
@@ -294,8 +266,8 @@ def canonical_name(name: str) -> str:
 def hf_to_param(name: str) -> ParamRef | None:
     """Where an HF tensor goes, or None if the name is not a Step3 text-model weight."""
     name = canonical_name(name)
-    if name in _TOP:
-        return ParamRef(_TOP[name])
+    if name in TOP_LEVEL:
+        return ParamRef(TOP_LEVEL[name])
     m = _LAYER.match(name)
     if not m:
         return None
@@ -314,9 +286,8 @@ def hf_to_param(name: str) -> ParamRef | None:
 
 def param_to_hf(path: tuple[str, ...], expert: int | None = None) -> str:
     """Inverse of hf_to_param (without any VL prefix), for messages and for writing checkpoints."""
-    for hf, p in _TOP.items():
-        if p == path:
-            return hf
+    if path in TOP_LEVEL_NAME:
+        return TOP_LEVEL_NAME[path]
     layer = path[0].removeprefix("layers_")
     if path[1:3] == ("mlp", "experts"):
         return f"model.layers.{layer}.moe.{path[3]}.weight"

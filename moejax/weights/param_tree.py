@@ -13,6 +13,13 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+# HF's names of the tensors outside the decoder layers, the same in every family here.
+TOP_LEVEL = {
+    "model.embed_tokens.weight": ("embed_tokens", "weight"),
+    "model.norm.weight": ("norm", "weight"),
+    "lm_head.weight": ("lm_head", "weight"),
+}
+TOP_LEVEL_NAME = {path: name for name, path in TOP_LEVEL.items()}
 
 
 class ParamRef(NamedTuple):
