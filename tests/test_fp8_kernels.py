@@ -191,8 +191,7 @@ def test_fused_moe_fp8_matches_reference(case, variant):
         assert 2e-3 < unq < 0.08, f"W8A8 vs unquantised activations {unq:.3f}, {where(seed)}"
 
 
-@pytest.mark.parametrize("fmt", ["e4m3fnuz_bits", "e4m3fn_bits"])
-@pytest.mark.parametrize("case", [0, 3])
+@pytest.mark.parametrize("case,fmt", [(0, "e4m3fn_bits"), (3, "e4m3fnuz_bits")])
 def test_fused_moe_fp8_integer_decode(case, fmt):
     """W8A16 with the weights as uint8 codes decoded in the kernel (ROCm's fnuz route; fn bytes)."""
     N, H, I, gs, (bm, bn, bk, bn2, bk2) = MOE_CASES[case]
@@ -256,7 +255,7 @@ def test_block_scaled_matmul_matches_reference(case, variant):
         print(f"\nW8A8 GEMM case {case}: {err:.2e} vs same-quantisation reference, {unq:.2e} vs unquantised "
               f"activations ({where(seed)})")
         assert 2e-3 < unq < 0.06, f"W8A8 vs unquantised activations {unq:.3f}, {where(seed)}"
-    elif case in (0, 3):
+    elif case == 3:
         for fmt in ("e4m3fnuz_bits", "e4m3fn_bits"):
             yf = block_scaled_matmul(x, *as_format(q, s, fmt), weight_format=fmt, out_dtype=jnp.float32, block_m=bm,
                                      block_n=bn, block_k=bk, num_splits=sp, interpret=True)
@@ -280,14 +279,14 @@ def test_xla_fallbacks_match_reference():
         y = jax.jit(functools.partial(fp8_linear_xla, variant=variant, out_dtype=jnp.float32))(
             x, jnp.asarray(q), jnp.asarray(s))
         assert y.shape == (3, M // 3, N)
-        assert rel_err(y.reshape(M, N), ref) < 5e-3, f"{variant} {where(seed)}"  # W dequantised to bf16
+        assert rel_err(y.reshape(M, N), ref) < 1e-5, f"{variant} {where(seed)}"  # float32 operands on CPU
     N2, H, I, gs = 13, 200, 136, [3, 0, 7, 2]
     x2, g_sz, (qg, sg, dg), (qu, su, du), (qd, sd, dd) = moe_case(seed, N2, H, I, gs)
     w = [jnp.asarray(a) for a in (qg, sg, qu, su, qd, sd)]
     for variant in ("w8a16", "w8a8"):
         y = jax.jit(functools.partial(grouped_mlp_fp8_xla, variant=variant))(x2, g_sz, *w)
         ref = moe_ref(x2, gs, dg, du, dd, a8=variant == "w8a8")
-        assert rel_err(y[:12], ref[:12]) < 1.5e-2, f"{variant} {where(seed)}"
+        assert rel_err(y[:12], ref[:12]) < (2e-3 if variant == "w8a8" else 1e-5), f"{variant} {where(seed)}"
         assert not np.any(np.asarray(y[12:]))
 
 

@@ -14,18 +14,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.layers.fp8_linear import dequantize_fp8
+from moejax.layers.fp8_linear import dequantize_fp8, xla_compute_dtype
 from pallas_kernels.fp8_utils import VARIANTS, act_dequant, act_quant
 
 
 def grouped_mlp_fp8_xla(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, variant: str = "w8a16",
                         weight_format: str | None = None):
-    """[N, H] float32: the weights dequantised to x's dtype (materialised), ragged_dot with f32 accumulation."""
+    """[N, H] float32: the weights dequantised (materialised, in ``xla_compute_dtype``: float32 on CPU,
+    x's dtype elsewhere), ragged_dot with f32 accumulation."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    dt, f32 = x_sorted.dtype, jnp.float32
+    dt, f32 = xla_compute_dtype(x_sorted.dtype), jnp.float32
     wg, wu, wd = (dequantize_fp8(w, s, dt, weight_format) for w, s in ((w_gate, s_gate), (w_up, s_up), (w_down, s_down)))
-    x = act_dequant(*act_quant(x_sorted)).astype(dt) if variant == "w8a8" else x_sorted
+    x = (act_dequant(*act_quant(x_sorted)) if variant == "w8a8" else x_sorted).astype(dt)
     g = jax.lax.ragged_dot(x, wg, group_sizes, preferred_element_type=f32)
     u = jax.lax.ragged_dot(x, wu, group_sizes, preferred_element_type=f32)
     h = jax.nn.silu(g) * u
