@@ -13,9 +13,9 @@ over the copy bandwidth measured first), ratios bf16 / fp8 and xla / fp8, and ea
 error against the XLA path (the first GPU check of the kernels' numerics: on CPU they ran only in the
 interpreter; W8A8 rows against the XLA path with the same activation quantisation; on a GPU the XLA
 path rounds the dequantised weights to bf16, so expect ~3e-3 for W8A16 and ~1e-2 for W8A8, whose
-requantisation of h amplifies small differences). GEMM: DeepSeek-V3 projections q_a 7168->1536, q_b 1536->24576, kv_a 7168->576, o_proj
-16384->7168 at M = 64 / 256 / 1024: XLA bf16 (x @ W.T), ``block_scaled_matmul`` W8A16 / W8A8, XLA
-dequantise-then-dot.
+requantisation of h amplifies small differences). GEMM: DeepSeek-V3 projections q_a 7168->1536,
+q_b 1536->24576, kv_a 7168->576, o_proj 16384->7168 at M = 64 / 256 / 1024: XLA bf16 (x @ W.T),
+``block_scaled_matmul`` W8A16 / W8A8, XLA dequantise-then-dot.
 
 FP8 e4m3fn casts and fp8 dots in Triton need compute capability 8.9+ (H100 / H200: 9.0).
 """

@@ -159,9 +159,9 @@ def test_act_quant_matches_numpy():
 
 # ------------------------------------------------------------------ fused MoE
 MOE_CASES = [  # N, H, I, group sizes, (block_m, block_n, block_k, block_n_down, block_k_down)
-    (13, 200, 136, [3, 0, 7, 2], (16, 16, 32, 32, 16)),         # odd H, I (2 scale blocks, cut), empty expert, garbage row
-    (40, 256, 256, [0, 17, 0, 23], (16, 128, 128, 256, 64)),    # aligned slices; 128-wide tile (fused requant); 256-wide down
-    (1, 48, 40, [0, 1, 0], (16, 64, 16, 16, 16)),                # one token, dims under one scale block, tile wider than I
+    (13, 200, 136, [3, 0, 7, 2], (16, 16, 32, 32, 16)),        # odd H, I (2 cut scale blocks), empty expert, spare row
+    (40, 256, 256, [0, 17, 0, 23], (16, 128, 128, 256, 64)),    # aligned; 128-wide tile (requant in kernel), 256 down
+    (1, 48, 40, [0, 1, 0], (16, 64, 16, 16, 16)),                # one token, dims in one scale block, tile wider than I
     (70, 136, 264, [0, 33, 0, 20, 17], (32, 256, 64, 128, 32)),  # 256-wide gate/up tile over 3 cut scale blocks
 ]
 

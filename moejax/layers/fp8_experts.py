@@ -25,7 +25,8 @@ def grouped_mlp_fp8_xla(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_dow
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     dt, f32 = xla_compute_dtype(x_sorted.dtype), jnp.float32
-    wg, wu, wd = (dequantize_fp8(w, s, dt, weight_format) for w, s in ((w_gate, s_gate), (w_up, s_up), (w_down, s_down)))
+    wg, wu, wd = (dequantize_fp8(w, s, dt, weight_format)
+                  for w, s in ((w_gate, s_gate), (w_up, s_up), (w_down, s_down)))
     x = (act_dequant(*act_quant(x_sorted)) if variant == "w8a8" else x_sorted).astype(dt)
     g = jax.lax.ragged_dot(x, wg, group_sizes, preferred_element_type=f32)
     u = jax.lax.ragged_dot(x, wu, group_sizes, preferred_element_type=f32)
