@@ -348,11 +348,12 @@ def test_fp8_selection(monkeypatch):
             assert select_moe_fp8(256, 32, 7168, 2048, BF16, FNUZ, "w8a8").impl == "xla"
             assert select_moe_fp8(256, 32, 7168, 2048, BF16, BF16).impl == "xla"  # not FP8 weights
             for K, N in ((7168, 1536), (1536, 24576), (7168, 576), (16384, 7168)):
-                for M in (1, 64, 256, 1024):
+                for M in (1, 20, 64, 256, 1024):
                     c = select_fp8_linear(M, N, K, BF16, FN)
                     p = c.params
                     assert c.impl == "pallas", (M, N, K)
                     check_blocks(p["block_n"], p["block_k"])
+                    assert all(p[b] >= 16 and p[b] & (p[b] - 1) == 0 for b in ("block_m", "block_n", "block_k"))
                     assert 1 <= p["num_splits"] <= -(-K // 128)
                     tiles = -(-M // p["block_m"]) * -(-N // p["block_n"])
                     assert p["num_splits"] == 1 or tiles < 132

@@ -191,7 +191,7 @@ def select_moe_fp8(num_rows: int, num_experts: int, hidden: int, inter: int, dty
         return Choice("xla", reason=why)
     p = dict(base.params, variant=variant, weight_format=fmt)
     p["block_k"], p["block_k_down"] = min(p["block_k"], 128), min(p["block_k_down"], 128)
-    if variant == "w8a8" and inter >= 128:
+    if variant == "w8a8" and inter >= 128 and hidden >= 128:
         p["block_n"], p["block_k"], p["block_k_down"] = 128, 128, max(p["block_k_down"], 32)
     return Choice("pallas", p, base.reason)
 
@@ -214,7 +214,7 @@ def select_fp8_linear(m: int, n: int, k: int, dtype, weight_dtype, variant: str 
         return Choice("xla", reason="dims below the Triton dot minimum (16)")
     cap = lambda b, d: max(16, min(b, 1 << max(d - 1, 1).bit_length()))
     if m <= 64:
-        bm = cap(m, m)
+        bm = max(16, 1 << max(m - 1, 0).bit_length())  # a power of two (Triton blocks), >= 16 (dot minimum)
         p = dict(block_m=bm, block_n=cap(64 if n < 2048 else 128, n), block_k=128, num_warps=4, num_stages=3)
     else:
         p = dict(block_m=128, block_n=cap(128, n), block_k=64, num_warps=8, num_stages=3)
