@@ -158,6 +158,76 @@ def grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, mode: str | None = 
     return fused_moe(x_sorted, group_sizes, w_gate, w_up, w_down, **c.params)
 
 
+# ------------------------------------------------------------------ block-FP8 weights
+def _fp8_weight_format(weight_dtype, variant: str) -> tuple[str | None, str]:
+    """How the FP8 kernels read these weights here (fp8_utils.WEIGHT_FORMATS), or (None, why not)."""
+    dt = jnp.dtype(weight_dtype)
+    fn, fnuz = dt == jnp.dtype(jnp.float8_e4m3fn), dt in (jnp.dtype(jnp.float8_e4m3fnuz), jnp.dtype(jnp.uint8))
+    if not (fn or fnuz):
+        return None, f"weight dtype {dt}"
+    if platform() == "rocm" or fnuz:  # no FP8 type through Pallas-Triton there: integer decode, W8A16
+        if variant == "w8a8":
+            return None, "w8a8 needs e4m3fn dots (Pallas-Triton has no fnuz casts)"
+        return ("e4m3fnuz_bits" if fnuz else "e4m3fn_bits"), ""
+    try:
+        cc = float(getattr(jax.devices()[0], "compute_capability", "9.0"))
+    except Exception:  # pragma: no cover
+        cc = 9.0
+    if cc >= 8.9 or platform() == "cpu":
+        return "e4m3fn", ""
+    return (None, "w8a8 needs compute capability 8.9+") if variant == "w8a8" else ("e4m3fn_bits", "")
+
+
+def select_moe_fp8(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, weight_dtype,
+                   variant: str = "w8a16", mode: str | None = None) -> Choice:
+    """Routed-expert MLP with 128x128 block-FP8 weights: Pallas ``fused_moe_fp8`` (params carry
+    ``variant`` and ``weight_format``) or the XLA dequantise-then-ragged_dot path. Tiles: the bf16
+    kernel's (select_moe) with K steps inside one scale block; w8a8 takes 128-wide gate/up column
+    tiles (h is requantised in the kernel's epilogue) and K steps of 128. Not re-tuned for FP8 (no
+    GPU run yet: scripts/bench_fp8_kernels.py)."""
+    base = select_moe(num_rows, num_experts, hidden, inter, dtype, mode)
+    if base.impl != "pallas":
+        return base
+    fmt, why = _fp8_weight_format(weight_dtype, variant)
+    if fmt is None:
+        return Choice("xla", reason=why)
+    p = dict(base.params, variant=variant, weight_format=fmt)
+    p["block_k"], p["block_k_down"] = min(p["block_k"], 128), min(p["block_k_down"], 128)
+    if variant == "w8a8" and inter >= 128 and hidden >= 128:
+        p["block_n"], p["block_k"], p["block_k_down"] = 128, 128, max(p["block_k_down"], 32)
+    return Choice("pallas", p, base.reason)
+
+
+def select_fp8_linear(m: int, n: int, k: int, dtype, weight_dtype, variant: str = "w8a16",
+                      mode: str | None = None) -> Choice:
+    """y = x[m, k] @ (W[n, k] * scale)^T: Pallas ``block_scaled_matmul`` or XLA dequantise-then-dot.
+    Decode (m <= 64): one row tile, 128-deep K steps, K split until the programs about fill the GPU
+    (the f32 partials kept under the weight bytes); larger m: 128 x 128 x 64 tiles. Heuristic, not
+    timed yet (scripts/bench_fp8_kernels.py)."""
+    use, forced = _want_pallas(mode)
+    if not use:
+        return Choice("xla", reason="mode or platform")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        return Choice("xla", reason=f"dtype {jnp.dtype(dtype)}")
+    fmt, why = _fp8_weight_format(weight_dtype, variant)
+    if fmt is None:
+        return Choice("xla", reason=why)
+    if not forced and (n < 16 or k < 16):
+        return Choice("xla", reason="dims below the Triton dot minimum (16)")
+    cap = lambda b, d: max(16, min(b, 1 << max(d - 1, 1).bit_length()))
+    if m <= 64:
+        bm = max(16, 1 << max(m - 1, 0).bit_length())  # a power of two (Triton blocks), >= 16 (dot minimum)
+        p = dict(block_m=bm, block_n=cap(64 if n < 2048 else 128, n), block_k=128, num_warps=4, num_stages=3)
+    else:
+        p = dict(block_m=128, block_n=cap(128, n), block_k=64, num_warps=8, num_stages=3)
+    programs = -(-m // p["block_m"]) * -(-n // p["block_n"])
+    m_pad = -(-m // p["block_m"]) * p["block_m"]
+    p["num_splits"] = max(1, min(-(-num_compute_units() // programs), k // (4 * m_pad), -(-k // 128) // 2))
+    if platform() == "rocm":
+        p["num_stages"] = 2
+    return Choice("pallas", dict(p, variant=variant, weight_format=fmt), "forced" if forced else "gpu")
+
+
 # ------------------------------------------------------------------ MLA decode
 def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, block_size: int, cache_dtype,
                mode: str | None = None) -> Choice:
