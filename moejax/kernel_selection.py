@@ -28,7 +28,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.block_scaled_matmul import block_scaled_matmul
 from pallas_kernels.fused_moe import fused_moe
+from pallas_kernels.fused_moe_fp8 import fused_moe_fp8
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 
 KERNEL_MODES = ("auto", "pallas", "xla")
@@ -226,6 +228,29 @@ def select_fp8_linear(m: int, n: int, k: int, dtype, weight_dtype, variant: str 
     if platform() == "rocm":
         p["num_stages"] = 2
     return Choice("pallas", dict(p, variant=variant, weight_format=fmt), "forced" if forced else "gpu")
+
+
+def grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, variant: str = "w8a16",
+                    mode: str | None = None, weight_format: str | None = None):
+    """Block-FP8 routed-expert MLP through the selected Pallas kernel; None when XLA should run."""
+    N, H = x_sorted.shape
+    E, _, I = w_gate.shape
+    c = select_moe_fp8(N, E, H, I, x_sorted.dtype, w_gate.dtype, variant, mode)
+    if c.impl != "pallas":
+        return None
+    p = dict(c.params, **({"weight_format": weight_format} if weight_format else {}))
+    return fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, **p)
+
+
+def fp8_linear(x2, w, scale, variant: str = "w8a16", out_dtype=None, mode: str | None = None,
+               weight_format: str | None = None):
+    """x2 [M, K] @ (w [N, K] * scale)^T through the selected Pallas kernel; None when XLA should run."""
+    M, K = x2.shape
+    c = select_fp8_linear(M, w.shape[0], K, x2.dtype, w.dtype, variant, mode)
+    if c.impl != "pallas":
+        return None
+    p = dict(c.params, **({"weight_format": weight_format} if weight_format else {}))
+    return block_scaled_matmul(x2, w, scale, out_dtype=jnp.dtype(out_dtype or x2.dtype), **p)
 
 
 # ------------------------------------------------------------------ MLA decode

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 from moejax.benchmark.roofline import measure_copy_bandwidth, time_call  # noqa: E402
-from moejax.kernels.selection import kernel_mode, platform, select_fp8_linear, select_moe, select_moe_fp8  # noqa: E402
+from moejax.kernel_selection import kernel_mode, platform, select_fp8_linear, select_moe, select_moe_fp8  # noqa: E402
 from moejax.layers.fp8_experts import grouped_mlp_fp8_xla  # noqa: E402
 from moejax.layers.fp8_linear import dequantize_fp8, fp8_linear_xla  # noqa: E402
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul  # noqa: E402

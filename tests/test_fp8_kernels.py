@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from moejax.kernels.selection import kernel_mode, select_fp8_linear, select_moe_fp8
+from moejax.kernel_selection import kernel_mode, select_fp8_linear, select_moe_fp8
 from moejax.layers.fp8_experts import grouped_mlp_fp8, grouped_mlp_fp8_xla
 from moejax.layers.fp8_linear import dequantize_fp8, fp8_linear, fp8_linear_xla
 from moejax.weights.fp8 import dequantize_block_fp8, e4m3fn_to_e4m3fnuz, quantize_block_fp8
@@ -322,7 +322,7 @@ def test_entry_points_kernel_vs_xla():
 
 # ------------------------------------------------------------------ selection
 def test_fp8_selection(monkeypatch):
-    from moejax.kernels import selection
+    from moejax import kernel_selection as selection
     FN, FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
     with kernel_mode("auto"):  # CPU: XLA
         assert select_moe_fp8(256, 32, 7168, 2048, BF16, FN).impl == "xla"
@@ -391,7 +391,7 @@ def test_fnuz_cast_is_not_lowerable():
 def test_fp8_kernels_lower_to_triton(platform, monkeypatch):
     """Pallas -> Triton IR at DeepSeek-V3 shapes with the blocks ``select_*_fp8`` picks on that
     platform (not compiled to PTX / HSACO: no GPU here)."""
-    from moejax.kernels import selection
+    from moejax import kernel_selection as selection
     monkeypatch.setattr(selection, "platform", lambda: platform)
     S = jax.ShapeDtypeStruct
     E, H, I = 32, 7168, 2048

@@ -329,7 +329,7 @@ def _prefill_then_decode(path, kernels, kv_cache_dtype):
     bs, nb = 8, 4
     m = moejax.load(path, dtype="bfloat16", max_model_len=64, max_num_seqs=4, block_size=bs, num_kv_blocks=16,
                     progress=False, kernels=kernels, kv_cache_dtype=kv_cache_dtype)
-    cfg = m.config
+    cfg = m.config.model
     dt = cache_storage_dtype(kv_cache_dtype, "bfloat16")
     num_slots = 16 * bs
     cache = jnp.zeros((cfg.num_hidden_layers, num_slots, stored_row_dim(cfg.kv_cache_dim, dt)), dt)

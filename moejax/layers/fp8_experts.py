@@ -5,8 +5,7 @@ stacked weights, then ``ragged_dot`` as in experts.py).
 Layout: w_gate / w_up [E, H, I], w_down [E, I, H] FP8 (float8_e4m3fn, float8_e4m3fnuz, or uint8
 codes), scales [E, cdiv(in, 128), cdiv(out, 128)] float32: HF's per-expert ``weight_scale_inv``
 [cdiv(out,128), cdiv(in,128)] transposed along with the weight. ``variant``: "w8a16" | "w8a8" (the
-XLA path emulates the kernel's activation quantisation: x and h per token per 128 channels). Not
-wired into the model layers yet.
+XLA path emulates the kernel's activation quantisation: x and h per token per 128 channels).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moejax import kernel_selection
 from moejax.layers.fp8_linear import dequantize_fp8, xla_compute_dtype
 from pallas_kernels.fp8_utils import VARIANTS, act_dequant, act_quant
 
@@ -40,15 +40,9 @@ def grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s
     """x_sorted [N, H] rows grouped by expert -> [N, H] float32 (rows past sum(group_sizes): zero from
     the kernel; the XLA path leaves ragged_dot's zeros there too) through the selected kernel.
     ``mode``: the kernel mode ("auto" | "pallas" | "xla"; None = the current ``kernel_mode``)."""
-    from moejax.kernels.selection import select_moe_fp8
-    N, H = x_sorted.shape
-    E, _, I = w_gate.shape
-    c = select_moe_fp8(N, E, H, I, x_sorted.dtype, w_gate.dtype, variant, mode)
-    if c.impl != "pallas":
+    y = kernel_selection.grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down,
+                                         variant, mode, weight_format)
+    if y is None:
         return grouped_mlp_fp8_xla(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, variant,
                                    weight_format)
-    from pallas_kernels.fused_moe_fp8 import fused_moe_fp8
-    p = dict(c.params)
-    if weight_format is not None:
-        p["weight_format"] = weight_format
-    return fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, **p)
+    return y

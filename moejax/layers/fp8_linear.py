@@ -5,7 +5,7 @@ Weights stay in HF's layout [out, in] (as ``Linear``: y = x @ W.T), FP8 with 128
 ``scale`` [cdiv(out, 128), cdiv(in, 128)] float32 (HF's ``weight_scale_inv``: real = fp8 * scale).
 ``variant``: "w8a16" (bf16 activations) or "w8a8" (activations quantised per token per 128
 channels, as the kernel does; the XLA path emulates that quantisation so both paths compute the
-same function). Not wired into the model layers yet.
+same function).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moejax import kernel_selection
 from pallas_kernels.fp8_utils import SCALE_BLOCK, VARIANTS, act_dequant, act_quant, decode_e4m3_bits
 
 
@@ -58,17 +59,8 @@ def fp8_linear(x, w, scale, variant: str = "w8a16", out_dtype=None, mode: str | 
     (GPU, or forced with ``mode="pallas"``) or ``fp8_linear_xla`` (CPU default, and where the kernel
     does not apply). ``mode``: the kernel mode ("auto" | "pallas" | "xla"; None = the current
     ``kernel_mode``)."""
-    from moejax.kernels.selection import select_fp8_linear
     lead, K = x.shape[:-1], x.shape[-1]
-    M = 1
-    for d in lead:
-        M *= d
-    c = select_fp8_linear(M, w.shape[0], K, x.dtype, w.dtype, variant, mode)
-    if c.impl != "pallas":
+    y = kernel_selection.fp8_linear(x.reshape(-1, K), w, scale, variant, out_dtype, mode, weight_format)
+    if y is None:
         return fp8_linear_xla(x, w, scale, variant, out_dtype, weight_format)
-    from pallas_kernels.block_scaled_matmul import block_scaled_matmul
-    p = dict(c.params)
-    if weight_format is not None:
-        p["weight_format"] = weight_format
-    y = block_scaled_matmul(x.reshape(M, K), w, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), **p)
     return y.reshape(*lead, w.shape[0])

@@ -45,7 +45,6 @@ def e4m3fn_to_e4m3fnuz(weight: np.ndarray, scale: np.ndarray):
     uint8 bytes; scales of any shape (per block, per tensor). Checked for all 256 codes on CPU with
     ml_dtypes (tests/test_fp8_kernels.py); never run on an MI300X (no AMD GPU here). The Pallas
     kernels read fnuz weights as their bytes (``weight_format="e4m3fnuz_bits"``)."""
-    import ml_dtypes
     w = np.asarray(weight)
     if w.dtype == np.uint8:
         bits = w
