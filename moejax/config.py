@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from moejax.kernel_selection import KERNEL_MODES
+from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.kv_quant import KV_CACHE_DTYPES
 from moejax.models.registry import family_of
 from moejax.parallel.config import ParallelConfig
@@ -22,6 +23,7 @@ from moejax.parallel.dispatch import ExpertParallel
 from moejax.parallel.sharding import AXIS
 
 DTYPES = ("bfloat16", "float32")
+WEIGHT_DTYPES = ("auto", "fp8", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +48,20 @@ class EngineConfig:
     dtype: str = "bfloat16"
     parallel: ParallelConfig | None = None  # None: one device, no mesh
     kernels: str = "auto"  # "auto" | "pallas" | "xla" (moejax/kernel_selection.py)
+    fp8: Fp8Policy = NO_FP8  # which layer types keep FP8 block-scaled weights
 
     @classmethod
     def create(cls, model, *, dtype: str = "bfloat16", parallel: str | ParallelConfig | None = None,
                max_model_len: int | None = None, max_num_seqs: int = 256, block_size: int = 16,
                num_kv_blocks: int | None = None, max_prefill_tokens: int = 8192, kv_cache_dtype: str = "auto",
-               kernels: str = "auto") -> "EngineConfig":
-        """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig."""
+               kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
+               fp8_variant: str = "w8a16") -> "EngineConfig":
+        """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
+
+        ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8), "fp8" also
+        quantises a bf16 checkpoint to 128x128 blocks on load, "bf16" dequantises (the model dtype).
+        ``fp8_layers``: the layer types that run FP8 when weights are FP8 (moejax/layers/fp8_policy.py;
+        "default" or a comma list). ``fp8_variant``: "w8a16" or "w8a8"."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kernels not in KERNEL_MODES:
@@ -74,6 +83,11 @@ class EngineConfig:
         if not _positive_int(max_model_len) or not 2 <= max_model_len <= model.max_position_embeddings:
             raise ValueError(f"max_model_len must be an integer in [2, {model.max_position_embeddings}], "
                              f"got {max_model_len!r}")
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+        # "auto" keeps a checkpoint's FP8 where the kernels take its blocks (128x128), else dequantises.
+        fp8_on = weight_dtype == "fp8" or (weight_dtype == "auto" and model.fp8_block_size == (128, 128))
+        fp8 = Fp8Policy.create(fp8_layers if fp8_on else (), (128, 128), fp8_variant)
         if isinstance(parallel, str):
             parallel = ParallelConfig.load(parallel)
         if parallel is not None:
@@ -85,7 +99,7 @@ class EngineConfig:
             if parallel.moe_backend == "ragged" and jax.default_backend() == "cpu":
                 raise ValueError("moe_backend 'ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not "
                                  "implement; use 'a2a' or 'replicated' on CPU")
-        return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels,
+        return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels, fp8=fp8,
                    scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens),
                    cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype))
 

@@ -7,15 +7,20 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import EngineConfig
 from moejax.engine.llm_engine import LLMEngine
 from moejax.engine.model_runner import ModelRunner
-from moejax.eplb.balancer import ExpertLoadBalancer, initial_placements, physical_params, routing_tree
+from jax.sharding import NamedSharding
+
+from moejax.eplb.balancer import ExpertLoadBalancer, initial_placements, routing_tree
 from moejax.kernel_selection import KernelScopedModule
+from moejax.layers.fp8_policy import Fp8Policy
 from moejax.models.registry import abstract_params, build_module, parse_model_config
-from moejax.parallel.sharding import make_mesh, shard_params
+from moejax.parallel.sharding import make_mesh, param_logical_axes, spec
+from moejax.weights.param_tree import flatten, unflatten
 from moejax.tokenizer import Tokenizer
 from moejax.weights.loader import load_hf_params
 from moejax.weights.orbax_io import restore_params, save_params
@@ -24,25 +29,41 @@ MARKER = "moejax.json"  # present in directories written by moejax.save
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-class Model:
-    """A loaded model: its EngineConfig, parameters on device, tokenizer, and (lazily) an engine."""
+class ParamPlacer:
+    """Puts parameter leaves on their devices as they are loaded: routed experts into their physical
+    slots (EPLB: contiguous, plus replicas in the redundant slots), then sharded by the rules table
+    (moejax/parallel/sharding.py) over the layout's mesh, or onto the default device."""
 
-    def __init__(self, config: EngineConfig, hf_config: dict, params, tokenizer: Tokenizer, source_dir: str):
+    def __init__(self, config: EngineConfig):
+        self.placements = initial_placements(config.model, config.num_ranks, config.num_redundant_experts)
+        self.mesh = make_mesh(config.num_ranks) if config.parallel is not None else None
+        self._slots = ({path: p.logical_of_slot for path, p in self.placements.items()}
+                       if config.num_redundant_experts else {})
+
+    def __call__(self, path: tuple[str, ...], arr):
+        src = self._slots.get(path[:-1])
+        if src is not None:  # every leaf of an experts module has the slot axis first
+            arr = np.asarray(arr)[src]
+        if self.mesh is None:
+            return jax.device_put(arr)
+        return jax.device_put(arr, NamedSharding(self.mesh, spec(*param_logical_axes(path))))
+
+    def tree(self, params):
+        return unflatten({path: self(path, a) for path, a in flatten(params).items()})
+
+
+class Model:
+    """A loaded model: its EngineConfig, parameters on device, tokenizer, and (lazily) an engine.
+    ``params`` are already placed by ``placer`` (``ParamPlacer.tree`` for a whole pytree)."""
+
+    def __init__(self, config: EngineConfig, hf_config: dict, params, tokenizer: Tokenizer, source_dir: str,
+                 placer: ParamPlacer):
         self.config, self.hf_config = config, hf_config
         self.tokenizer, self.source_dir = tokenizer, source_dir
-        # Expert placement: contiguous, plus replicas in the redundant slots (moejax/eplb/).
-        self.placements = initial_placements(config.model, config.num_ranks, config.num_redundant_experts)
-        if config.num_redundant_experts:
-            params = physical_params(params, self.placements)
-        if config.parallel is None:
-            self.mesh = None
-            self.params = jax.device_put(params)
-        else:
-            self.mesh = make_mesh(config.num_ranks)
-            self.params = shard_params(params, self.mesh)
+        self.params, self.placements, self.mesh = params, placer.placements, placer.mesh
         self.routing = jax.device_put(routing_tree(self.placements, 1 + config.num_redundant_experts))
         # Pallas or XLA kernels, picked at trace time (moejax/kernel_selection.py).
-        self.module = KernelScopedModule(build_module(config.model, config.dtype, config.expert_parallel),
+        self.module = KernelScopedModule(build_module(config.model, config.dtype, config.expert_parallel, config.fp8),
                                          config.kernels)
         self._engine = None
 
@@ -88,7 +109,7 @@ def _as_token_matrix(token_ids, vocab_size: int) -> np.ndarray:
 def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max_model_len: int | None = None,
          max_num_seqs: int = 256, block_size: int = 16, num_kv_blocks: int | None = None,
          max_prefill_tokens: int = 8192, progress: bool = True, kv_cache_dtype: str = "auto",
-         kernels: str = "auto") -> Model:
+         kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "w8a16") -> Model:
     """Loads an HF checkpoint directory of a registered family (DeepSeek-V2/V3, Step3), or one
     written by ``moejax.save``.
 
@@ -96,8 +117,12 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     layout shipped in configs/) or a path to one; without it the model runs on one device.
     max_num_seqs and num_kv_blocks are per data-parallel rank. ``kv_cache_dtype``: "auto" (the
     model dtype) or "fp8" (e4m3 rows with a per-row scale, DeepSeek MLA only). ``kernels``:
-    "auto" (Pallas on GPU, XLA on CPU), "pallas" or "xla". Every argument is checked by
-    ``EngineConfig.create`` (moejax/config.py).
+    "auto" (Pallas on GPU, XLA on CPU), "pallas" or "xla". ``weight_dtype``: "auto" (an FP8
+    checkpoint stays FP8 on the device, scales beside it), "fp8" (also quantises a bf16 checkpoint
+    to 128x128 blocks, like ``vllm --quantization fp8``) or "bf16" (dequantise); ``fp8_layers``
+    which layer types run FP8 ("default": experts, shared experts, dense MLPs, attention
+    projections; or a comma list, moejax/layers/fp8_policy.py); ``fp8_variant`` "w8a16" | "w8a8".
+    Every argument is checked by ``EngineConfig.create`` (moejax/config.py).
     """
     if not isinstance(path, str) or not os.path.isdir(path):
         raise ValueError(f"path {path!r} is not a directory")
@@ -109,23 +134,45 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     config = EngineConfig.create(parse_model_config(hf_config), dtype=dtype, parallel=parallel,
                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=block_size,
                                  num_kv_blocks=num_kv_blocks, max_prefill_tokens=max_prefill_tokens,
-                                 kv_cache_dtype=kv_cache_dtype, kernels=kernels)
+                                 kv_cache_dtype=kv_cache_dtype, kernels=kernels, weight_dtype=weight_dtype,
+                                 fp8_layers=fp8_layers, fp8_variant=fp8_variant)
+    placer = ParamPlacer(config)
     marker = os.path.join(path, MARKER)
     if os.path.exists(marker):
         with open(marker) as f:
-            saved_dtype = json.load(f)["dtype"]
-        params = restore_params(path, abstract_params(config.model, saved_dtype))
-        if saved_dtype != dtype:  # the router stays float32 whatever the model dtype
-            params = jax.tree.map(lambda a, t: a.astype(t.dtype), params, abstract_params(config.model, dtype))
+            saved = json.load(f)
+        saved_fp8 = Fp8Policy.create(saved.get("fp8_layers", []), (128, 128), config.fp8.variant)
+        if saved_fp8.kinds != config.fp8.kinds:
+            raise ValueError(f"{path} was saved with FP8 layers {sorted(saved_fp8.kinds)}; load it with the same "
+                             f"weight_dtype/fp8_layers (this load asks for {sorted(config.fp8.kinds)})")
+        params = restore_params(path, abstract_params(config.model, saved["dtype"], saved_fp8))
+        if saved["dtype"] != dtype:  # the router stays float32 and FP8 stays FP8 whatever the model dtype
+            params = jax.tree.map(lambda a, t: a.astype(t.dtype), params,
+                                  abstract_params(config.model, dtype, config.fp8))
+        params = placer.tree(params)
     else:
-        params = load_hf_params(path, config.model, dtype, progress)
-    return Model(config, hf_config, params, Tokenizer(path), path)
+        params = load_hf_params(path, config.model, dtype, progress, config.fp8, place=placer)
+    return Model(config, hf_config, params, Tokenizer(path), path, placer)
+
+
+def _logical_params(model: Model):
+    """The parameters with routed experts in logical order (one copy each): what ``load`` expects,
+    whatever EPLB has moved or replicated since."""
+    params, placements = model.params, model.placements
+    if model._engine is not None:
+        params, placements = model._engine.runner.params, model._engine.balancer.placements
+    flat = flatten(params)
+    for module, p in placements.items():
+        first = jnp.asarray(p.slots_of_expert()[:, 0])
+        for path in [k for k in flat if k[:-1] == module]:
+            flat[path] = jnp.take(flat[path], first, axis=0)
+    return unflatten(flat)
 
 
 def save(model: Model, directory: str) -> None:
     """Writes converted weights (orbax), config.json and the tokenizer; ``load`` reads it back."""
     os.makedirs(directory, exist_ok=True)
-    save_params(jax.device_get(model.params), directory)
+    save_params(jax.device_get(_logical_params(model)), directory)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(model.hf_config, f, indent=2)
     for fn in _TOKENIZER_FILES:
@@ -133,4 +180,4 @@ def save(model: Model, directory: str) -> None:
         if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(directory, fn)):
             shutil.copy(src, os.path.join(directory, fn))
     with open(os.path.join(directory, MARKER), "w") as f:
-        json.dump({"format_version": 1, "dtype": model.dtype}, f)
+        json.dump({"format_version": 1, "dtype": model.dtype, "fp8_layers": sorted(model.config.fp8.kinds)}, f)

@@ -37,7 +37,7 @@ from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rat
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.sequence import Status
 from moejax.kernel_selection import kernel_mode
-from moejax.layers.experts import grouped_expert_mlp
+from moejax.layers.experts import ExpertWeights, grouped_expert_mlp
 from moejax.layers.kv_quant import is_fp8_cache, quantize_rows
 from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention
 from moejax.models.registry import abstract_params, parse_model_config
@@ -107,7 +107,7 @@ def time_components(cfg, a, ctx, layout: str = "none"):
             w = lambda s: (0.02 * jax.random.normal(key, s)).astype(jnp.bfloat16)  # noqa: E731
             x = w((B * k, H))
             sizes = jnp.full((El,), B * k // El, jnp.int32).at[0].add(B * k - El * (B * k // El))  # uniform
-            fn = jax.jit(grouped_expert_mlp)
+            fn = jax.jit(lambda x, s, g, u, d: grouped_expert_mlp(x, s, ExpertWeights(g, u, d)))
             out["moe"] = n_moe * time_call(fn, x, sizes, w((El, H, I)), w((El, H, I)), w((El, I, H)))
             if ranks > 1:
                 t, _ = time_dispatch(make_mesh(ranks), pc.moe_backend, B, H, E, k)

@@ -28,7 +28,7 @@ sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call  # noqa: E402
 from moejax.kernel_selection import kernel_mode, platform, select_mfa, select_mla, select_moe  # noqa: E402
-from moejax.layers.experts import grouped_expert_mlp  # noqa: E402
+from moejax.layers.experts import ExpertWeights, grouped_expert_mlp  # noqa: E402
 from moejax.layers.kv_quant import cache_row_dim, quantize_rows  # noqa: E402
 from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention  # noqa: E402
 from pallas_kernels.fused_moe import fused_moe  # noqa: E402
@@ -110,7 +110,7 @@ def run_moe(tokens, bw, rate, sweep, smoke, interpret, grid=None, shape="v3-ep8"
         fl = 2 * N * H * I * 3
         fl_t = floor(nbytes, fl, bw, rate)
         with kernel_mode("xla"):
-            t_x = bench(jax.jit(grouped_expert_mlp), x, gs, wg, wu, wd)
+            t_x = bench(jax.jit(lambda x, gs, g, u, d: grouped_expert_mlp(x, gs, ExpertWeights(g, u, d))), x, gs, wg, wu, wd)
         dense = jax.jit(lambda x, wg, wu, wd: jnp.einsum(
             "eti,eih->eth", (jax.nn.silu(jnp.einsum("eth,ehi->eti", x, wg, preferred_element_type=jnp.float32))
                              * jnp.einsum("eth,ehi->eti", x, wu, preferred_element_type=jnp.float32)).astype(BF16),

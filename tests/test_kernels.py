@@ -62,12 +62,12 @@ def test_fused_moe_matches_reference(N, H, I, group_sizes, blocks):
 
 
 def test_grouped_expert_mlp_selects_pallas_when_forced():
-    from moejax.layers.experts import grouped_expert_mlp
+    from moejax.layers.experts import ExpertWeights, grouped_expert_mlp
     x, gs, wg, wu, wd = moe_inputs(3, 20, 32, 48, [5, 0, 9, 4])
     with kernel_mode("xla"):
-        ref = grouped_expert_mlp(x, gs, wg, wu, wd)
+        ref = grouped_expert_mlp(x, gs, ExpertWeights(wg, wu, wd))
     with kernel_mode("pallas"):
-        got = jax.jit(grouped_expert_mlp)(x, gs, wg, wu, wd)
+        got = jax.jit(lambda *a: grouped_expert_mlp(a[0], a[1], ExpertWeights(*a[2:])))(x, gs, wg, wu, wd)
     assert rel_err(got[:18], ref[:18]) < 1e-2
 
 

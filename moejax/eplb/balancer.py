@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from moejax.eplb.placement import Placement, balanced_placement, balancedness, rank_loads
 from moejax.models.registry import abstract_variables
 from moejax.parallel.sharding import EXPERT
-from moejax.weights.param_tree import EXPERT_WEIGHTS, flatten, unflatten
+from moejax.weights.param_tree import flatten, unflatten
 
 
 def expert_modules(cfg) -> list[tuple[str, ...]]:
@@ -48,17 +48,13 @@ def routing_tree(placements: dict[tuple[str, ...], Placement], width: int) -> di
 
 
 def _map_experts(params: dict, placements, fn) -> dict:
-    """A copy of params with fn(weight, path, placement) applied to each routed-expert weight."""
+    """A copy of params with fn(leaf, module path, placement) applied to every leaf of each
+    routed-experts module (weights and, with FP8, their block scales: all slot-major)."""
     flat = flatten(params)
     for path, p in placements.items():
-        for w in EXPERT_WEIGHTS:
-            flat[path + (w,)] = fn(flat[path + (w,)], path, p)
+        for leaf in [k for k in flat if k[:-1] == path]:
+            flat[leaf] = fn(flat[leaf], path, p)
     return unflatten(flat)
-
-
-def physical_params(params: dict, placements) -> dict:
-    """Logical expert weights [E, ...] -> physical slots [E + redundant, ...] (host arrays, at load)."""
-    return _map_experts(params, placements, lambda w, path, p: np.asarray(w)[p.logical_of_slot])
 
 
 class ExpertLoadBalancer:

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moejax.layers.fp8_policy import Fp8Scheme
 from moejax.layers.linear import Linear, einsum_f32
 from moejax.layers.paged_attention import mfa_decode_attention, write_cache
 from moejax.layers.norm import RMSNorm
@@ -29,16 +30,17 @@ class MFA(nn.Module):
     cfg: Any  # Step3Config (moejax/models/step3.py)
     layer: int
     dtype: Any = jnp.float32
+    fp8: Fp8Scheme | None = None  # the attention projections' FP8 scheme
 
     def setup(self):
-        c, dt = self.cfg, self.dtype
+        c, dt, q = self.cfg, self.dtype, self.fp8
         H, nh, G, D = c.hidden_size, c.num_attention_heads, c.num_attention_groups, c.head_dim
-        self.q_proj = Linear(H, c.share_q_dim, dt)
-        self.k_proj = Linear(H, G * D, dt)
-        self.v_proj = Linear(H, G * D, dt)
+        self.q_proj = Linear(H, c.share_q_dim, dt, q)
+        self.k_proj = Linear(H, G * D, dt, q)
+        self.v_proj = Linear(H, G * D, dt, q)
         self.inter_norm = RMSNorm(c.share_q_dim, c.rms_norm_eps, dt)
-        self.wq = Linear(c.share_q_dim, nh * D, dt)
-        self.o_proj = Linear(nh * D, H, dt)
+        self.wq = Linear(c.share_q_dim, nh * D, dt, q)
+        self.o_proj = Linear(nh * D, H, dt, q)
 
     def _rope(self, x, positions):
         inv_freq, attn_factor = rope_frequencies(self.cfg.rope, self.cfg.head_dim)

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moejax.layers.fp8_policy import Fp8Scheme
 from moejax.layers.linear import Linear, einsum_f32
 from moejax.layers.paged_attention import mla_decode_attention, write_cache
 from moejax.layers.norm import RMSNorm
@@ -22,20 +23,21 @@ class MLA(nn.Module):
     cfg: Any  # DeepseekConfig (moejax/models/deepseek.py)
     layer: int
     dtype: Any = jnp.float32
+    fp8: Fp8Scheme | None = None  # the attention projections' FP8 scheme
 
     def setup(self):
-        c, dt = self.cfg, self.dtype
+        c, dt, q = self.cfg, self.dtype, self.fp8
         H, nh = c.hidden_size, c.num_attention_heads
         if c.q_lora_rank is None:
-            self.q_proj = Linear(H, nh * c.qk_head_dim, dt)
+            self.q_proj = Linear(H, nh * c.qk_head_dim, dt, q)
         else:
-            self.q_a_proj = Linear(H, c.q_lora_rank, dt)
+            self.q_a_proj = Linear(H, c.q_lora_rank, dt, q)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dt)
-            self.q_b_proj = Linear(c.q_lora_rank, nh * c.qk_head_dim, dt)
-        self.kv_a_proj_with_mqa = Linear(H, c.kv_lora_rank + c.qk_rope_head_dim, dt)
+            self.q_b_proj = Linear(c.q_lora_rank, nh * c.qk_head_dim, dt, q)
+        self.kv_a_proj_with_mqa = Linear(H, c.kv_lora_rank + c.qk_rope_head_dim, dt, q)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, dt)
         self.kv_b_proj = Linear(c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim), dt)
-        self.o_proj = Linear(nh * c.v_head_dim, H, dt)
+        self.o_proj = Linear(nh * c.v_head_dim, H, dt, q)
 
     def _rope(self, x, positions):
         inv_freq, attn_factor = rope_frequencies(self.cfg.rope, self.cfg.qk_rope_head_dim)

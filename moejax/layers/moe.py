@@ -7,7 +7,9 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from moejax.layers.linear import INIT_STD
+from moejax.layers.experts import ExpertWeights
+from moejax.layers.fp8_policy import NO_FP8, Fp8Policy, Fp8Scheme
+from moejax.layers.linear import INIT_STD, fp8_param
 from moejax.layers.mlp import GatedMLP
 from moejax.layers.router import Router
 from moejax.parallel import dispatch
@@ -25,16 +27,20 @@ class RoutedExperts(nn.Module):
     cfg: Any  # a family config: n_routed_experts, hidden_size, moe_intermediate_size, n_shared_experts
     dtype: Any = jnp.float32
     ep: ExpertParallel = ExpertParallel()
+    fp8: Fp8Scheme | None = None  # FP8 weights with block scales <proj>_scale_inv [slots, in/128, out/128]
 
     @nn.compact
     def __call__(self, x, topk_idx, topk_weight, valid=None):
         c = self.cfg
         E, H, I = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         here = (E + self.ep.num_redundant) // self.ep.n_ranks  # under shard_map Flax sees this rank's shard
-        init = nn.initializers.normal(INIT_STD)
-        wg = self.param("gate_proj", init, (here, H, I), self.dtype)
-        wu = self.param("up_proj", init, (here, H, I), self.dtype)
-        wd = self.param("down_proj", init, (here, I, H), self.dtype)
+        shapes = {"gate_proj": (here, H, I), "up_proj": (here, H, I), "down_proj": (here, I, H)}
+        if self.fp8 is None:
+            init = nn.initializers.normal(INIT_STD)
+            w = ExpertWeights(*(self.param(n, init, shp, self.dtype) for n, shp in shapes.items()))
+        else:
+            (wg, sg), (wu, su), (wd, sd) = (fp8_param(self, n, shp, self.fp8.block) for n, shp in shapes.items())
+            w = ExpertWeights(wg, wu, wd, sg, su, sd, self.fp8.variant)
         slots = self.variable("routing", "expert_slots",
                               lambda: jnp.tile(jnp.arange(E, dtype=jnp.int32)[:, None], (1, 1 + self.ep.num_redundant))).value
         replicas = self.variable("routing", "expert_replicas", lambda: jnp.ones((E,), jnp.int32)).value
@@ -43,10 +49,10 @@ class RoutedExperts(nn.Module):
         self.sow("stats", "expert_counts",
                  jnp.zeros((E,), jnp.int32).at[topk_idx.reshape(-1)].add(jnp.repeat(valid, topk_idx.shape[1]).astype(jnp.int32)))
         if self.ep.backend == "local":
-            y, n = dispatch.local_experts(x, topk_idx, topk_weight, valid, slots, replicas, wg, wu, wd)
+            y, n = dispatch.local_experts(x, topk_idx, topk_weight, valid, slots, replicas, w)
         else:
             fn = dispatch.dispatch_fn(self.ep.backend)
-            y, n = fn(x, topk_idx, topk_weight, valid, slots, replicas, wg, wu, wd, self.ep.axis, self.ep.n_ranks)
+            y, n = fn(x, topk_idx, topk_weight, valid, slots, replicas, w, self.ep.axis, self.ep.n_ranks)
         self.sow("stats", "dispatched", n)
         return y
 
@@ -55,13 +61,15 @@ class MoE(nn.Module):
     cfg: Any  # a family config: n_routed_experts, hidden_size, moe_intermediate_size, n_shared_experts
     dtype: Any = jnp.float32
     ep: ExpertParallel = ExpertParallel()
+    fp8: Fp8Policy = NO_FP8
 
     def setup(self):
         c = self.cfg
         self.gate = Router(c)
-        self.experts = RoutedExperts(c, self.dtype, self.ep)
+        self.experts = RoutedExperts(c, self.dtype, self.ep, self.fp8.scheme("experts"))
         if c.n_shared_experts:
-            self.shared_experts = GatedMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, self.dtype)
+            self.shared_experts = GatedMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, self.dtype,
+                                           self.fp8.scheme("shared_experts"))
 
     def __call__(self, x, valid=None):
         """valid: which tokens are real (padding is neither counted nor dispatched)."""

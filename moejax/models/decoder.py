@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import jax.numpy as jnp
 
+from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.linear import Embedding, Linear
 from moejax.layers.mlp import GatedMLP
 from moejax.layers.moe import MoE
@@ -29,17 +30,18 @@ class PreNormDecoderLayer(nn.Module):
     layer: int
     dtype: Any = jnp.float32
     ep: ExpertParallel = ExpertParallel()
+    fp8: Fp8Policy = NO_FP8
     attention: ClassVar[type]
 
     def setup(self):
         c = self.cfg
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
-        self.self_attn = self.attention(c, self.layer, self.dtype)
+        self.self_attn = self.attention(c, self.layer, self.dtype, self.fp8.scheme("attention"))
         if c.is_moe_layer(self.layer):
-            self.mlp = MoE(c, self.dtype, self.ep)
+            self.mlp = MoE(c, self.dtype, self.ep, self.fp8)
         else:
-            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, self.dtype)
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, self.dtype, self.fp8.scheme("dense_mlp"))
         self.setup_extra()
 
     def setup_extra(self):
@@ -66,14 +68,15 @@ class CausalLM(nn.Module):
     cfg: Any
     dtype: Any = jnp.float32
     ep: ExpertParallel = ExpertParallel()
+    fp8: Fp8Policy = NO_FP8  # which layer types keep FP8 block-scaled weights
     decoder_layer: ClassVar[type]
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, self.dtype)
-        self.layers = [self.decoder_layer(c, i, self.dtype, self.ep) for i in range(c.num_hidden_layers)]
+        self.layers = [self.decoder_layer(c, i, self.dtype, self.ep, self.fp8) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, self.dtype)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, self.dtype, self.fp8.scheme("lm_head"))
 
     def prefill(self, tokens, positions, seq_lens, cache=None, slots=None):
         """tokens [B, S] -> final hidden states [B, S, H] (before the last norm), cache."""

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.models import deepseek, step3
 from moejax.models.family import ModelFamily
 from moejax.models.hf_config import bad
@@ -55,20 +56,20 @@ def load_model_config(path: str):
         return parse_model_config(json.load(f))
 
 
-def build_module(cfg: Any, dtype: str, ep: ExpertParallel = ExpertParallel()):
-    """The family's Flax causal LM for this config."""
-    return family_of(cfg).causal_lm(cfg, jnp.dtype(dtype), ep)
+def build_module(cfg: Any, dtype: str, ep: ExpertParallel = ExpertParallel(), fp8: Fp8Policy = NO_FP8):
+    """The family's Flax causal LM for this config (``fp8``: which layer types keep FP8 weights)."""
+    return family_of(cfg).causal_lm(cfg, jnp.dtype(dtype), ep, fp8)
 
 
-def abstract_variables(cfg: Any, dtype: str):
+def abstract_variables(cfg: Any, dtype: str, fp8: Fp8Policy = NO_FP8):
     """Shapes and dtypes of the model's variables ("params", "routing"), without allocating them."""
-    model = build_module(cfg, dtype)
+    model = build_module(cfg, dtype, fp8=fp8)
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     return jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)
 
 
-def abstract_params(cfg: Any, dtype: str):
-    return abstract_variables(cfg, dtype)["params"]
+def abstract_params(cfg: Any, dtype: str, fp8: Fp8Policy = NO_FP8):
+    return abstract_variables(cfg, dtype, fp8)["params"]
 
 
 def presets() -> dict[str, dict]:

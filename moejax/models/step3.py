@@ -229,7 +229,7 @@ class Step3DecoderLayer(PreNormDecoderLayer):
         # shared expert sits beside it, on the MoE layers.
         c = self.cfg
         if c.is_moe_layer(self.layer):
-            self.share_expert = GatedMLP(c.hidden_size, c.share_expert_dim, self.dtype)
+            self.share_expert = GatedMLP(c.hidden_size, c.share_expert_dim, self.dtype, self.fp8.scheme("shared_experts"))
 
     def ffn(self, x, valid):
         if not self.cfg.is_moe_layer(self.layer):

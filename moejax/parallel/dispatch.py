@@ -51,25 +51,25 @@ def physical_slots(topk_idx, slots, replicas, source_rank):
     return jnp.take_along_axis(slots[topk_idx], (src % replicas[topk_idx])[..., None], axis=-1)[..., 0]
 
 
-def _apply_local_experts(x, local_ids, weights, w_gate, w_up, w_down):
+def _apply_local_experts(x, local_ids, weights, w):
     """x [M, H]; local_ids/weights [M, k], id -1 = not on this rank. Returns ([M, H] float32, pairs computed)."""
     M, k = local_ids.shape
-    E_loc = w_gate.shape[0]
+    E_loc = w.num_experts
     valid = local_ids >= 0
     key = jnp.where(valid, local_ids, E_loc).reshape(-1)  # invalid entries sort last, outside every group
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=E_loc + 1)[:E_loc].astype(jnp.int32)
     row = order // k
-    y = grouped_expert_mlp(x[row], group_sizes, w_gate, w_up, w_down)
+    y = grouped_expert_mlp(x[row], group_sizes, w)
     ok = valid.reshape(-1)[order]
     w = jnp.where(ok, weights.reshape(-1)[order], 0.0)
     y = jnp.where(ok[:, None], y * w[:, None], 0.0)  # rows outside the groups are unspecified
     return jnp.zeros((M, x.shape[-1]), jnp.float32).at[row].add(y), group_sizes.sum()
 
 
-def local_experts(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_down):
+def local_experts(x, topk_idx, topk_weight, valid, slots, replicas, w):
     ids = jnp.where(valid[:, None], physical_slots(topk_idx, slots, replicas, 0), -1)
-    return _apply_local_experts(x, ids, topk_weight, w_gate, w_up, w_down)
+    return _apply_local_experts(x, ids, topk_weight, w)
 
 
 def _route(topk_idx, valid, slots, replicas, E_loc, source_rank):
@@ -78,9 +78,9 @@ def _route(topk_idx, valid, slots, replicas, E_loc, source_rank):
     return rank, s % E_loc  # rank, expert index on that rank
 
 
-def a2a(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_down, axis: str, n_ranks: int):
+def a2a(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int):
     T, H = x.shape
-    E_loc = w_gate.shape[0]
+    E_loc = w.num_experts
     rank, loc = _route(topk_idx, valid, slots, replicas, E_loc, jax.lax.axis_index(axis))
     to = jnp.arange(n_ranks)[:, None, None] == rank[None]  # [R, T, k]
     send = to.any(-1)  # token t goes to rank r
@@ -90,30 +90,30 @@ def a2a(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_down, 
     exchange = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)
     rx, rids, rw = exchange(buf), exchange(ids), exchange(wts)  # row block j came from rank j
     y, n = _apply_local_experts(rx.reshape(n_ranks * T, H), rids.reshape(n_ranks * T, -1),
-                                rw.reshape(n_ranks * T, -1), w_gate, w_up, w_down)
+                                rw.reshape(n_ranks * T, -1), w)
     back = exchange(y.astype(x.dtype).reshape(n_ranks, T, H))  # block j: rank j's partial sums
     return back.astype(jnp.float32).sum(0), n
 
 
-def replicated(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_down, axis: str, n_ranks: int):
-    E_loc = w_gate.shape[0]
+def replicated(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int):
+    E_loc = w.num_experts
     T = x.shape[0]
     me = jax.lax.axis_index(axis)
     gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)
     gx, gi, gw, gv = gather(x), gather(topk_idx), gather(topk_weight), gather(valid)
     rank, loc = _route(gi, gv, slots, replicas, E_loc, jnp.arange(n_ranks * T) // T)  # source rank of each row
-    y, n = _apply_local_experts(gx, jnp.where(rank == me, loc, -1), gw, w_gate, w_up, w_down)
+    y, n = _apply_local_experts(gx, jnp.where(rank == me, loc, -1), gw, w)
     return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True), n
 
 
-def ragged(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_down, axis: str, n_ranks: int):
+def ragged(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int):
     """As ``a2a`` but moving only the rows that exist (GPU only; run on one GPU, not yet on several)."""
     if jax.default_backend() == "cpu":
         raise NotImplementedError("moe_backend 'ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not "
                                   "implement; use 'a2a' or 'replicated' on CPU")
     T, H = x.shape
     k = topk_idx.shape[1]
-    E_loc = w_gate.shape[0]
+    E_loc = w.num_experts
     R = n_ranks
     rank, loc = _route(topk_idx, valid, slots, replicas, E_loc, jax.lax.axis_index(axis))
     to = jnp.arange(R)[:, None, None] == rank[None]  # [R, T, k]
@@ -139,7 +139,7 @@ def ragged(x, topk_idx, topk_weight, valid, slots, replicas, w_gate, w_up, w_dow
     rids = go(ids, jnp.full((cap, k), -1, jnp.int32))
     rw = go(wts, jnp.zeros((cap, k), wts.dtype))
     valid_rows = jnp.arange(cap) < recv_sizes.sum()
-    y, n = _apply_local_experts(rx, jnp.where(valid_rows[:, None], rids, -1), rw, w_gate, w_up, w_down)
+    y, n = _apply_local_experts(rx, jnp.where(valid_rows[:, None], rids, -1), rw, w)
     # Return path: what I received from sender s goes back to s's packed rows.
     recv_off = jnp.cumsum(recv_sizes) - recv_sizes
     back_out_off = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]  # offset of my chunk inside sender s's packed rows

@@ -2,7 +2,8 @@
 
 A quantised ``X.weight`` [out, in] comes with ``X.weight_scale_inv``
 [ceil(out/bo), ceil(in/bi)]: the real weight is ``weight * scale_inv`` per block.
-For now they are dequantised on load.
+The loader keeps them FP8 or dequantises them, as the engine's FP8 policy says
+(moejax/layers/fp8_policy.py); these NumPy routines run at load time.
 """
 
 import ml_dtypes
@@ -21,7 +22,8 @@ def dequantize_block_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple
 
 
 def quantize_block_fp8(weight: np.ndarray, block: tuple[int, int] = (128, 128)):
-    """float weight [out, in] -> (float8_e4m3fn weight, float32 scale_inv). For tests and tiny checkpoints."""
+    """float weight [out, in] -> (float8_e4m3fn weight, float32 scale_inv): at load (weight_dtype="fp8"
+    on a bf16 checkpoint) and for tiny checkpoints."""
     bo, bi = block
     out, inn = weight.shape
     nbo, nbi = -(-out // bo), -(-inn // bi)

@@ -4,18 +4,34 @@ The family's name table (moejax/models/<family>.py) says where each HF tensor go
 this loader checks every tensor against the shapes the Flax model declares: missing,
 unexpected, duplicated or mis-shaped tensors raise a ValueError naming the HF tensor.
 Routed experts arrive one [out, in] tensor per expert (DeepSeek) or one [E, out, in]
-tensor (Step3) and are stored [E, in, out]. FP8 block-scaled tensors are dequantised on
-load, one expert at a time (never a whole stacked tensor in float32).
+tensor (Step3) and are stored [E, in, out].
+
+FP8: where the model declares a float8 leaf (moejax/layers/fp8_policy.py), an FP8 tensor
+stays FP8 and its ``weight_scale_inv`` goes beside it (``<leaf>_scale_inv``; for stacked
+experts transposed with the weight, [E, in/128, out/128]); a bf16/f32 tensor is quantised
+to the same 128x128 block format. Where the model declares the model dtype, FP8 tensors
+are dequantised. One matrix at a time: never a whole stacked tensor in float32.
+
+Streaming: each finished leaf is handed to ``place`` (e.g. a device_put with its sharding)
+at once, so host memory holds the memory map plus the leaves still being assembled (a
+routed-expert stack until all its experts have arrived), not the whole model.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+import ml_dtypes
 import numpy as np
 
+from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
+from moejax.layers.linear import SCALE_SUFFIX
 from moejax.models.registry import abstract_params, family_of
 from moejax.weights.checked_tensors import CheckedTensors, np_dtype
-from moejax.weights.fp8 import dequantize_block_fp8
+from moejax.weights.fp8 import dequantize_block_fp8, quantize_block_fp8
 from moejax.weights.param_tree import flatten, is_stacked_expert, unflatten
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def _matrix(name: str, arr, scale, block) -> np.ndarray:
@@ -30,63 +46,116 @@ def _matrix(name: str, arr, scale, block) -> np.ndarray:
         raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
 
 
+def _fp8_matrix(name: str, arr, scale, block, want_block) -> tuple[np.ndarray, np.ndarray]:
+    """One [out, in] matrix as (float8 weight, float32 block scales) in ``want_block`` blocks:
+    kept as it is when the checkpoint has it so, else (re)quantised."""
+    if scale is not None and tuple(block) == tuple(want_block) and arr.ndim == 2:
+        expect = (-(-arr.shape[0] // block[0]), -(-arr.shape[1] // block[1]))
+        if tuple(scale.shape) != expect:
+            raise ValueError(f"checkpoint tensor {name + SCALE_SUFFIX!r} has shape {tuple(scale.shape)}, "
+                             f"expected {expect} for blocks {list(block)}")
+        return np.asarray(arr), np.asarray(scale, np.float32)
+    return quantize_block_fp8(_matrix(name, arr, scale, block), want_block)
+
+
 def _check_shape(name: str, arr, want: tuple) -> None:
     if tuple(arr.shape) != tuple(want):
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(want)}")
 
 
-def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool = True):
-    """Returns the parameter pytree as NumPy arrays (host memory)."""
+def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool = True, fp8: Fp8Policy = NO_FP8,
+                   place: Callable[[tuple[str, ...], np.ndarray], object] | None = None):
+    """The parameter pytree: NumPy arrays, or whatever ``place(path, array)`` returns for each leaf."""
     family = family_of(cfg)
-    expected = flatten(abstract_params(cfg, dtype))
+    expected = flatten(abstract_params(cfg, dtype, fp8))
     tensors = CheckedTensors(directory, cfg)
     block = cfg.fp8_block_size
-    out: dict[tuple[str, ...], np.ndarray] = {}
+    place = place or (lambda path, a: a)
+    out: dict[tuple[str, ...], object] = {}
+    pending: dict[tuple[str, ...], np.ndarray] = {}  # stacked leaves still missing experts
     source: dict[tuple, str] = {}  # (path, expert) -> the HF name that filled it
+    experts_seen: dict[tuple[str, ...], set] = {}
+
+    def scale_path(path):
+        return path[:-1] + (path[-1] + SCALE_SUFFIX,)
+
+    def finish(path, arr):
+        out[path] = place(path, arr)
+
     for name in tensors.names(progress):
         if family.ignores(name, cfg):
             tensors.skip(name)
             continue
         ref = family.hf_to_param(name)
-        if ref is None or ref.path not in expected:
+        if ref is None or ref.path not in expected or ref.path[-1].endswith(SCALE_SUFFIX):
             raise ValueError(f"checkpoint tensor {name!r} is not a parameter of this {cfg.model_type} model")
         if (ref.path, ref.expert) in source:
             raise ValueError(f"checkpoint tensors {source[ref.path, ref.expert]!r} and {name!r} are the same parameter")
         source[ref.path, ref.expert] = name
         arr, scale = tensors.get(name)
         want = expected[ref.path]
-        dt = np_dtype(want)
+        keep_fp8 = np.dtype(want.dtype) == FP8
+        sp = scale_path(ref.path)
+        want_block = fp8.block
+        dt = FP8 if keep_fp8 else np_dtype(want)
+
+        def convert(matrix_name, a, s):
+            """HF [out, in] -> ([in, out] in the leaf's dtype, its [in/b, out/b] scales or None)."""
+            if keep_fp8:
+                q, qs = _fp8_matrix(matrix_name, a, s, block, want_block)
+                return q.T, qs.T
+            return _matrix(matrix_name, a, s, block).T.astype(dt), None
+
         if ref.expert is not None:  # one expert: HF [out, in] -> row ref.expert of [E, in, out]
             E, n_in, n_out = want.shape
             _check_shape(name, arr, (n_out, n_in))
             if not 0 <= ref.expert < E:
                 raise ValueError(f"checkpoint tensor {name!r}: expert index {ref.expert} >= n_routed_experts")
-            buf = out.setdefault(ref.path, np.empty(want.shape, dt))
-            buf[ref.expert] = _matrix(name, arr, scale, block).T.astype(dt)
+            buf = pending.setdefault(ref.path, np.empty(want.shape, dt))
+            w, s = convert(name, arr, scale)
+            buf[ref.expert] = w
+            if keep_fp8:
+                pending.setdefault(sp, np.empty(expected[sp].shape, np.float32))[ref.expert] = s
+            seen = experts_seen.setdefault(ref.path, set())
+            seen.add(ref.expert)
+            if len(seen) == E:
+                finish(ref.path, pending.pop(ref.path))
+                if keep_fp8:
+                    finish(sp, pending.pop(sp))
         elif ref.stacked:  # all experts: HF [E, out, in] -> [E, in, out]
             E, n_in, n_out = want.shape
             _check_shape(name, arr, (E, n_out, n_in))
             if scale is not None and (scale.ndim != 3 or scale.shape[0] != E):
-                raise ValueError(f"checkpoint tensor {name + '_scale_inv'!r} has shape {tuple(scale.shape)}: "
+                raise ValueError(f"checkpoint tensor {name + SCALE_SUFFIX!r} has shape {tuple(scale.shape)}: "
                                  f"expected one [rows, cols] block-scale grid per expert ({E} experts)")
             buf = np.empty(want.shape, dt)
+            sbuf = np.empty(expected[sp].shape, np.float32) if keep_fp8 else None
             for e in range(E):
-                buf[e] = _matrix(name, arr[e], None if scale is None else scale[e], block).T.astype(dt)
-            out[ref.path] = buf
+                w, s = convert(name, arr[e], None if scale is None else scale[e])
+                buf[e] = w
+                if keep_fp8:
+                    sbuf[e] = s
+            finish(ref.path, buf)
+            if keep_fp8:
+                finish(sp, sbuf)
         else:
-            arr = _matrix(name, arr, scale, block) if scale is not None else arr
-            _check_shape(name, arr, want.shape)
-            out[ref.path] = np.asarray(arr).astype(dt)
+            if keep_fp8:
+                _check_shape(name, arr, want.shape)
+                w, s = _fp8_matrix(name, arr, scale, block, want_block)
+                finish(ref.path, w)
+                finish(sp, s)
+            else:
+                arr = _matrix(name, arr, scale, block) if scale is not None else arr
+                _check_shape(name, arr, want.shape)
+                finish(ref.path, np.asarray(arr).astype(dt))
     tensors.finish()
-    experts_seen: dict[tuple[str, ...], set] = {}
-    for path, e in source:
-        experts_seen.setdefault(path, set()).add(e)
     for path, want in expected.items():
+        if path[-1].endswith(SCALE_SUFFIX) and path[:-1] + (path[-1][:-len(SCALE_SUFFIX)],) in expected:
+            continue  # filled with its weight
         per_expert = is_stacked_expert(path) and not family.experts_stacked_on_disk
+        if per_expert and path in pending:  # some of its experts arrived, not all
+            e = min(set(range(want.shape[0])) - experts_seen[path])
+            raise ValueError(f"checkpoint is missing tensor {family.param_to_hf(path, e)!r}")
         if path not in out:
             raise ValueError(f"checkpoint is missing tensor {family.param_to_hf(path, 0 if per_expert else None)!r}")
-        if per_expert:
-            missing = sorted(set(range(want.shape[0])) - experts_seen[path])
-            if missing:
-                raise ValueError(f"checkpoint is missing tensor {family.param_to_hf(path, missing[0])!r}")
     return unflatten(out)

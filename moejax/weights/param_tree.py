@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 # HF's names of the tensors outside the decoder layers, the same in every family here.
 TOP_LEVEL = {
     "model.embed_tokens.weight": ("embed_tokens", "weight"),
