@@ -20,6 +20,7 @@ GPU (JAX reserves most of the GPU's memory for itself once it starts).
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -40,7 +41,9 @@ from moejax.kernel_selection import kernel_mode
 from moejax.layers.experts import ExpertWeights, grouped_expert_mlp
 from moejax.layers.kv_quant import is_fp8_cache, quantize_rows
 from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention
-from moejax.models.registry import abstract_params, parse_model_config
+from moejax.config import EngineConfig
+from moejax.layers.fp8_policy import NO_FP8
+from moejax.models.registry import abstract_params, family_of, parse_model_config
 from moejax.parallel.config import ParallelConfig
 from moejax.parallel.sharding import make_mesh
 from moejax.tiny.presets import preset, with_layers
@@ -49,18 +52,19 @@ from moejax.tiny.transformers_checkpoint import hf_classes
 from moejax.weights.param_tree import flatten, is_stacked_expert
 
 
-def step_floor(cfg, batch, ctx, itemsize=2, kv_itemsize=2, ranks=1):
+def step_floor(cfg, batch, ctx, kv_itemsize=2, ranks=1, fp8=NO_FP8):
     """Bytes and FLOPs of one decode step, from the model's own parameter shapes (any family).
 
     Bytes: every weight (at these batch sizes every expert is touched) plus the batch's KV
     cache. FLOPs: 2 per active weight per token (routed experts scaled by top-k / E; the
     embedding is a lookup) plus attention, 2 x 2 x heads x cache row per cached token.
     With ``ranks`` > 1 (DP attention + EP experts over a mesh) the bytes are the node's: each
-    rank reads its own copy of the non-expert weights; divide by ranks x one card's rate."""
+    rank reads its own copy of the non-expert weights; divide by ranks x one card's rate. Weight
+    bytes are the leaves' own (``fp8``: FP8 layers count 1 byte a weight plus their scales)."""
     weights = active = 0
-    for path, leaf in flatten(abstract_params(cfg, "bfloat16")).items():
+    for path, leaf in flatten(abstract_params(cfg, "bfloat16", fp8)).items():
         n = int(np.prod(leaf.shape))
-        weights += n if is_stacked_expert(path) else ranks * n
+        weights += (n if is_stacked_expert(path) else ranks * n) * np.dtype(leaf.dtype).itemsize
         if is_stacked_expert(path):
             active += n * cfg.num_experts_per_tok // cfg.n_routed_experts
         elif path[0] != "embed_tokens":
@@ -68,7 +72,7 @@ def step_floor(cfg, batch, ctx, itemsize=2, kv_itemsize=2, ranks=1):
     L = cfg.num_hidden_layers
     kv = L * batch * ctx * cfg.kv_cache_dim
     flops = 2 * batch * active + 4 * L * batch * ctx * cfg.num_attention_heads * cfg.kv_cache_dim
-    return itemsize * weights + kv_itemsize * kv, flops
+    return weights + kv_itemsize * kv, flops
 
 
 def time_components(cfg, a, ctx, layout: str = "none"):
@@ -199,13 +203,17 @@ def peer_in_child(argv) -> tuple[float | None, str | None]:
             return json.load(f)["peer_tok_per_s"], None
 
 
-def run_one(hf, parallel, kernels, a):
-    if "params" not in _PARAMS:
-        _PARAMS["params"] = random_device_params(parse_model_config(hf), a.dtype)
+def run_one(hf, parallel, kernels, a, weight_dtype="bf16"):
+    if weight_dtype not in _PARAMS:
+        _PARAMS.clear()  # one weight format's weights on the device at a time
+        gc.collect()
+        cfg = parse_model_config(hf)
+        fp8 = EngineConfig.create(cfg, weight_dtype=weight_dtype).fp8
+        _PARAMS[weight_dtype] = random_device_params(cfg, a.dtype, fp8=fp8)
     ranks = 1 if parallel == "none" else ParallelConfig.load(parallel).num_ranks
     per_rank = -(-a.concurrency // ranks)  # --concurrency is over the node; sizes below are per rank
     m = random_model(hf, a.dtype, parallel=None if parallel == "none" else parallel, kernels=kernels,
-                     params=_PARAMS["params"],
+                     params=_PARAMS[weight_dtype], weight_dtype=weight_dtype, fp8_variant=a.fp8_variant,
                      kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype],
                      max_model_len=a.input_len + a.output_len + 16, max_num_seqs=per_rank,
                      num_kv_blocks=per_rank * (-(-(a.input_len + a.output_len + 16) // 16)))
@@ -282,6 +290,9 @@ def main(argv=None):
     ap.add_argument("--memory", action="store_true",
                     help="also report XLA's memory analysis of the decode step (one more step and compile)")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument("--weight-dtype", default="bf16",
+                    help="comma list of bf16 / fp8 (128x128 block-scaled weights; one run each, floors from each's bytes)")
+    ap.add_argument("--fp8-variant", choices=["w8a16", "w8a8"], default="w8a16")
     ap.add_argument("--components", action="store_true", help="also time attention and MoE alone at the step's shapes")
     ap.add_argument("--peer", action="store_true", help="also run HF transformers (PyTorch) at the same batch and lengths")
     ap.add_argument("--json", default=None)
@@ -304,65 +315,71 @@ def main(argv=None):
         return
     peer = peer_note = None
     if a.peer:
-        if cfg.model_type.startswith("step3"):
-            peer_note = "transformers has no Step3 model"
+        if not family_of(cfg).transformers_classes:
+            peer_note = f"transformers has no {family_of(cfg).name} model"
         else:
             peer, peer_note = peer_in_child(argv if argv is not None else sys.argv[1:])
     bw, rate = measure_copy_bandwidth(), measure_matmul_rate()
     ctx = a.input_len + a.warmup + a.steps // 2
     kv_itemsize = 1 if a.kv_dtype == "fp8" else 2
-    nbytes, flops = step_floor(cfg, a.concurrency, ctx, kv_itemsize=kv_itemsize)
+    weight_dtypes = a.weight_dtype.split(",")
+    for wd in weight_dtypes:
+        if wd not in ("bf16", "fp8"):
+            raise SystemExit(f"--weight-dtype: {wd!r} is not one of bf16, fp8")
+    fp8_of = {wd: EngineConfig.create(cfg, weight_dtype=wd).fp8 for wd in weight_dtypes}
+    nbytes, flops = step_floor(cfg, a.concurrency, ctx, kv_itemsize=kv_itemsize, fp8=fp8_of[weight_dtypes[0]])
     floor = max(nbytes / bw, flops / rate)
     print(f"device: {jax.devices()[0].device_kind}; measured copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     print(f"step floors: memory {nbytes / bw * 1e3:.3f} ms ({nbytes / 1e9:.2f} GB), compute {flops / rate * 1e3:.3f} ms "
           f"({flops / 1e12:.2f} TFLOP)")
 
-    def floor_for(layout: str) -> float:
+    def floor_for(layout: str, wd: str) -> float:
         """One device's floor, or the node's over a mesh (each card measured like this one)."""
-        if layout == "none":
-            return floor
-        n = ParallelConfig.load(layout).num_ranks
-        b, f = step_floor(cfg, a.concurrency, ctx, kv_itemsize=kv_itemsize, ranks=n)
+        n = 1 if layout == "none" else ParallelConfig.load(layout).num_ranks
+        b, f = step_floor(cfg, a.concurrency, ctx, kv_itemsize=kv_itemsize, ranks=n, fp8=fp8_of[wd])
         return max(b / (n * bw), f / (n * rate))
     results = {"preset": a.preset, "layers": cfg.num_hidden_layers, "concurrency": a.concurrency,
                "input_len": a.input_len, "device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rate": rate,
                "floor_s": floor, "runs": {}}
     base = None
-    floors: dict[str, float] = {}  # per layout (each traces the model's shapes once)
+    floors: dict[tuple, float] = {}  # per (layout, weight dtype): each traces the model's shapes once
     results["runs_by_kernels"] = {}
+    results["runs_by_weight_dtype"] = {}
 
     def save():
         if a.json:  # after every variant: a later one that fails loses nothing measured
             with open(a.json, "w") as f:
                 json.dump(results, f, indent=2)
 
-    for kern in kernel_modes:
-        for p in a.parallel.split(","):
-            t0, why = time.perf_counter(), None
-            try:
-                t, memory = run_one(hf, p, kern, a)
-            except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: record it, run the other variants
-                why = str(e).strip().splitlines()[0][:300]
-            if why is not None:
-                gc.collect()  # only now: inside the except block its traceback still held the variant's cache
-                results.setdefault("failed", {}).setdefault(kern, {})[p] = why
-                print(f"{p:>12} [{kern}]: failed after {time.perf_counter() - t0:.0f} s: {why}")
-                save()
-                continue
-            med = statistics.median(t)
-            base = base or med
-            fl = floors.setdefault(p, floor_for(p))
-            r = {"median_step_s": med, "p90_step_s": float(np.percentile(t, 90)), "tok_per_s": a.concurrency / med,
-                 "floor_s": fl, "floor_fraction": fl / med, "vs_first": med / base,
-                 "steps": len(t), **({"memory": memory} if memory else {})}
+    for wd, kern, p in itertools.product(weight_dtypes, kernel_modes, a.parallel.split(",")):
+        t0, why = time.perf_counter(), None
+        label = kern if len(weight_dtypes) == 1 else f"{kern}, {wd} weights"
+        try:
+            t, memory = run_one(hf, p, kern, a, wd)
+        except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: record it, run the other variants
+            why = str(e).strip().splitlines()[0][:300]
+        if why is not None:
+            gc.collect()  # only now: inside the except block its traceback still held the variant's cache
+            results.setdefault("failed", {}).setdefault(label, {})[p] = why
+            print(f"{p:>12} [{label}]: failed after {time.perf_counter() - t0:.0f} s: {why}")
+            save()
+            continue
+        med = statistics.median(t)
+        base = base or med
+        fl = floors.setdefault((p, wd), floor_for(p, wd))
+        r = {"median_step_s": med, "p90_step_s": float(np.percentile(t, 90)), "tok_per_s": a.concurrency / med,
+             "floor_s": fl, "floor_fraction": fl / med, "vs_first": med / base,
+             "steps": len(t), **({"memory": memory} if memory else {})}
+        results["runs_by_weight_dtype"].setdefault(wd, {}).setdefault(kern, {})[p] = r
+        if wd == weight_dtypes[0]:
             results["runs_by_kernels"].setdefault(kern, {})[p] = r
             if kern == kernel_modes[0]:
                 results["runs"][p] = r
-            print(f"{p:>12} [{kern}]: median step {med * 1e3:.3f} ms, p90 {r['p90_step_s'] * 1e3:.3f} ms, "
-                  f"{r['tok_per_s']:.0f} tok/s, {r['floor_fraction'] * 100:.1f}% of floor, x{r['vs_first']:.3f} vs first "
-                  f"({time.perf_counter() - t0:.0f} s with build and compile)")
-            sys.stdout.flush()
-            save()
+        print(f"{p:>12} [{label}]: median step {med * 1e3:.3f} ms, p90 {r['p90_step_s'] * 1e3:.3f} ms, "
+              f"{r['tok_per_s']:.0f} tok/s, {r['floor_fraction'] * 100:.1f}% of floor, x{r['vs_first']:.3f} vs first "
+              f"({time.perf_counter() - t0:.0f} s with build and compile)")
+        sys.stdout.flush()
+        save()
     a.kernels = kernel_modes[0]  # components use the first mode
     if a.components and results["runs"]:
         comp = time_components(cfg, a, ctx, a.parallel.split(",")[0])

@@ -29,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto: the model dtype; fp8: e4m3 rows with a per-row scale (DeepSeek MLA only)")
     ap.add_argument("--kernels", choices=["auto", "pallas", "xla"], default="auto",
                     help="auto: Pallas on GPU, XLA on CPU")
+    ap.add_argument("--weight-dtype", choices=["auto", "fp8", "bf16"], default="auto",
+                    help="auto: an FP8 checkpoint stays FP8 on the GPU; fp8: also quantise a bf16 checkpoint "
+                         "(128x128 blocks); bf16: dequantise")
+    ap.add_argument("--fp8-layers", default="default",
+                    help="layer types that run FP8: default, or a comma list of experts, shared_experts, "
+                         "dense_mlp, attention, lm_head")
+    ap.add_argument("--fp8-variant", choices=["w8a16", "w8a8"], default="w8a16")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -44,7 +51,8 @@ def build_load_kwargs(a: argparse.Namespace) -> dict:
     """moejax.load's keyword arguments from the parsed command line."""
     return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, block_size=a.block_size,
                 num_kv_blocks=a.num_kv_blocks, max_prefill_tokens=a.max_prefill_tokens, parallel=a.parallel,
-                kv_cache_dtype=a.kv_cache_dtype, kernels=a.kernels)
+                kv_cache_dtype=a.kv_cache_dtype, kernels=a.kernels, weight_dtype=a.weight_dtype,
+                fp8_layers=a.fp8_layers, fp8_variant=a.fp8_variant)
 
 
 def main(argv=None):

@@ -178,3 +178,30 @@ def test_fp8_expert_parallel_equals_one_device_and_rebalance_changes_nothing(ckp
     assert [r.token_ids for r in moejax.generate(ep, prompts, **kw)] == before
     moejax.save(ep, str(tmp_path / "after"))
     assert rel(_load(str(tmp_path / "after")).score(ids), want) < 1e-5
+
+
+def test_plan_memory_counts_the_models_own_bytes(capsys):
+    """scripts/plan_memory.py against an independent count of DeepSeek-V3's parameters: 671B in the
+    main model as published (685B with the 14B MTP module, not built here), so bf16 is 2 bytes x
+    ~671B; FP8 halves the FP8 layers (plus 1/16384 for scales); the KV cache holds
+    61 layers x 576 values x 2 bytes a token; dp8-ep8 splits only the experts."""
+    import importlib.util
+    import pathlib
+    spec = importlib.util.spec_from_file_location("plan_memory", pathlib.Path(__file__).parent.parent / "scripts" /
+                                                  "plan_memory.py")
+    pm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pm)
+    hf = preset("deepseek-v3")
+    one = pm.plan(hf, None, "bf16", 2000, 1.0, 0, "auto", 2000, 100)
+    assert 2 * 670e9 < one["weights_gb"] * 1e9 < 2 * 672e9
+    assert one["kv_bytes_per_token"] == 61 * 576 * 2
+    ep_bf16 = pm.plan(hf, "dp8-ep8", "bf16", 2000, 1.0, 0, "auto", 2000, 100)
+    ep = pm.plan(hf, "dp8-ep8", "fp8", 141, 0.9, 6, "auto", 2000, 100)
+    assert abs(ep_bf16["weights_gb_by_kind"]["experts"] * 8 - one["weights_gb_by_kind"]["experts"]) < 1e-6
+    assert ep_bf16["weights_gb_by_kind"]["embedding"] == one["weights_gb_by_kind"]["embedding"]
+    ratio = ep["weights_gb_by_kind"]["experts"] / ep_bf16["weights_gb_by_kind"]["experts"]
+    assert abs(ratio - 0.5 * (1 + 4 / 128 ** 2)) < 1e-3  # 1 byte a weight + a float32 scale per 128x128 block
+    assert ep["fits"] and ep["kv_tokens_per_gpu"] * ep["kv_bytes_per_token"] <= ep["kv_gb"] * 1e9
+    assert pm.main(["--preset", "deepseek-v3", "--weight-dtype", "fp8", "--gpu-memory", "141"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "weights per GPU" in out and "experts" in out and "largest that fits" in out

@@ -51,3 +51,23 @@ def unflatten(flat: dict[tuple[str, ...], object]) -> dict:
             node = node.setdefault(k, {})
         node[path[-1]] = v
     return tree
+
+
+def layer_type(path: tuple[str, ...]) -> str:
+    """The layer type of a parameter, in the FP8 policy's words (moejax/layers/fp8_policy.py) plus
+    "embedding", "router" and "norm": for memory plans and byte counts."""
+    if path[0] == "embed_tokens":
+        return "embedding"
+    if path[0] == "lm_head":
+        return "lm_head"
+    if "norm" in path[-2] or path[0] == "norm":
+        return "norm"
+    if path[1] == "self_attn":
+        return "attention"
+    if is_stacked_expert(path):
+        return "experts"
+    if path[1:3] == ("mlp", "gate"):
+        return "router"
+    if path[1] == "share_expert" or path[1:3] == ("mlp", "shared_experts"):
+        return "shared_experts"
+    return "dense_mlp"
