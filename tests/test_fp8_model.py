@@ -38,8 +38,19 @@ def ckpts(tmp_path_factory):
             for name, cfg in (("v3", CFG), ("step3", STEP3))}
 
 
+_MODELS: dict = {}
+
+
 def _load(path, **kw):
-    return moejax.load(path, max_model_len=128, max_num_seqs=8, progress=False, **{"dtype": "float32", **kw})
+    """A loaded model; one-device ones are shared between tests (scoring and generating leave them
+    as they were: the engine ends idle), which saves each test its compilations."""
+    key = (path, tuple(sorted(kw.items())))
+    if "parallel" in kw:
+        return moejax.load(path, max_model_len=128, max_num_seqs=8, progress=False, **{"dtype": "float32", **kw})
+    if key not in _MODELS:
+        _MODELS[key] = moejax.load(path, max_model_len=128, max_num_seqs=8, progress=False,
+                                   **{"dtype": "float32", **kw})
+    return _MODELS[key]
 
 
 @pytest.mark.parametrize("name", ["v3", "step3"])
