@@ -356,6 +356,8 @@ def _prefill_then_decode(path, kernels, kv_cache_dtype):
     dt = cache_storage_dtype(kv_cache_dtype, "bfloat16")
     num_slots = 16 * bs
     cache = jnp.zeros((cfg.num_hidden_layers, num_slots, stored_row_dim(cfg.kv_cache_dim, dt)), dt)
+    # Fixed tokens: every call of one test (Pallas, XLA, FP8) must see the same ones, and the fixed
+    # 3e-2 FP8-vs-bf16 bound of test_model_logits_pallas_vs_xla is known to hold for this draw.
     rng = np.random.default_rng(0)
     lens = np.array([3, 9, 21])
     B, S = len(lens), 24
