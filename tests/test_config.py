@@ -7,6 +7,8 @@ from moejax.tiny.presets import preset
 
 
 def test_v3_fields():
+    """Parsed fields of the published DeepSeek-V3 config.json, against its values; the softmax
+    scale against the analytic yarn value (192^-0.5 * mscale(40, 1.0)^2)."""
     c = parse_model_config(preset("deepseek-v3"))
     assert (c.q_lora_rank, c.kv_lora_rank, c.kv_cache_dim) == (1536, 512, 576)
     assert (c.scoring_func, c.topk_method, c.n_group, c.topk_group, c.num_experts_per_tok) == ("sigmoid", "noaux_tc", 8, 4, 8)
@@ -17,6 +19,7 @@ def test_v3_fields():
 
 
 def test_v2_lite_fields():
+    """Parsed fields of the published DeepSeek-V2-Lite config.json, against its values."""
     c = parse_model_config(preset("deepseek-v2-lite"))
     assert c.q_lora_rank is None and c.scoring_func == "softmax" and c.topk_method == "greedy"
     assert (c.n_routed_experts, c.num_experts_per_tok, c.n_shared_experts, c.first_k_dense_replace) == (64, 6, 2, 1)
@@ -24,11 +27,14 @@ def test_v2_lite_fields():
 
 
 def test_transformers_v5_rope_parameters_accepted():
+    """transformers v5's rope_parameters (rope_theta inside) parse to the same config as the v4
+    rope_scaling + rope_theta spelling of the same preset."""
     d = preset("v3-tiny")
     rs = d.pop("rope_scaling")
     d["rope_parameters"] = {**rs, "rope_type": "yarn", "rope_theta": d.pop("rope_theta")}
     c = parse_model_config(d)
     assert c.rope.type == "yarn" and c.rope.theta == 10000.0
+    assert c == parse_model_config(preset("v3-tiny"))  # the whole config, rope included, as from rope_scaling
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -45,6 +51,7 @@ def test_transformers_v5_rope_parameters_accepted():
     ("quantization_config", {"quant_method": "awq"}, "quantization_config"),
 ])
 def test_bad_fields_are_named(field, value, needle):
+    """Invariant: an unsupported or invalid field is refused with an error naming the field."""
     d = preset("v3-tiny")
     d[field] = value
     with pytest.raises(ValueError, match=needle):
@@ -52,6 +59,7 @@ def test_bad_fields_are_named(field, value, needle):
 
 
 def test_missing_field_named():
+    """Invariant: a missing required field is refused with an error naming it."""
     d = preset("v2-lite-tiny")
     del d["kv_lora_rank"]
     with pytest.raises(ValueError, match="kv_lora_rank"):
@@ -59,6 +67,7 @@ def test_missing_field_named():
 
 
 def test_unsupported_rope_type_named():
+    """Invariant: an unsupported rope_scaling type is refused with an error naming rope_scaling."""
     d = preset("v3-tiny")
     d["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
     with pytest.raises(ValueError, match="rope_scaling"):
@@ -66,5 +75,7 @@ def test_unsupported_rope_type_named():
 
 
 def test_from_file(tmp_path):
+    """load_model_config on a directory gives the config parse_model_config gives for the same dict."""
     (tmp_path / "config.json").write_text(json.dumps(preset("v3-tiny")))
-    assert load_model_config(str(tmp_path)).model_type == "deepseek_v3"
+    c = load_model_config(str(tmp_path))
+    assert c.model_type == "deepseek_v3" and c == parse_model_config(preset("v3-tiny"))

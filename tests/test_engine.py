@@ -54,25 +54,31 @@ def test_steady_state_decode_compiles_once_per_bucket(tiny_path):
 
 
 def test_seeded_sampling_independent_of_batch(tiny_path):
+    """Invariant: a seeded sample depends on its seed only, not on the batch it runs in (prompt i
+    of a batch gets seed + i); another seed gives another sample."""
     m = _load(tiny_path)
     rng = np.random.default_rng()
     prompts = _prompts(4, rng)
+    seed = int(rng.integers(1 << 30))
     kw = dict(max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=50, ignore_eos=True)
-    alone = moejax.generate(m, [prompts[2]], seed=7, **kw)[0].token_ids
-    batched = moejax.generate(m, prompts, seed=5, **kw)[2].token_ids  # prompt 2 gets seed 5 + 2
+    alone = moejax.generate(m, [prompts[2]], seed=seed + 2, **kw)[0].token_ids
+    batched = moejax.generate(m, prompts, seed=seed, **kw)[2].token_ids  # prompt 2 gets seed + 2
     assert alone == batched
-    other = moejax.generate(m, [prompts[2]], seed=8, **kw)[0].token_ids
+    other = moejax.generate(m, [prompts[2]], seed=seed + 3, **kw)[0].token_ids
     assert other != alone
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(tiny_path):
+    """Invariant: top_k=1 and top_p~0 sample exactly the greedy (temperature 0) tokens, whatever the seed."""
     m = _load(tiny_path)
-    prompts = _prompts(3, np.random.default_rng())
+    rng = np.random.default_rng()
+    prompts = _prompts(3, rng)
+    seed = int(rng.integers(1 << 30))
     greedy = [r.token_ids for r in moejax.generate(m, prompts, max_new_tokens=10, ignore_eos=True)]
     k1 = [r.token_ids for r in moejax.generate(m, prompts, max_new_tokens=10, temperature=1.5, top_k=1,
-                                               seed=3, ignore_eos=True)]
+                                               seed=seed, ignore_eos=True)]
     p0 = [r.token_ids for r in moejax.generate(m, prompts, max_new_tokens=10, temperature=1.5, top_p=1e-6,
-                                               seed=3, ignore_eos=True)]
+                                               seed=seed, ignore_eos=True)]
     assert greedy == k1 == p0
 
 
@@ -91,6 +97,8 @@ def test_sampling_follows_the_distribution(tiny_path):
 
 
 def test_logprobs_and_stop_strings(tiny_path):
+    """Greedy logprobs (decode steps) against the log-softmax of score() over prompt + output (one
+    prefill); a stop string cuts the text just before its first occurrence (finish "stop")."""
     m = _load(tiny_path)
     rng = np.random.default_rng()
     for _ in range(8):  # random bytes: try prompts until the output has ASCII text to stop on
@@ -104,6 +112,10 @@ def test_logprobs_and_stop_strings(tiny_path):
         if stop is not None:
             break
     assert stop is not None, "no ASCII text in 8 random outputs"
+    logits = m.score([prompt + full.token_ids])[0, len(prompt) - 1:-1].astype(np.float64)
+    lsm = logits - logits.max(-1, keepdims=True)
+    lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
+    np.testing.assert_allclose(full.logprobs, lsm[np.arange(len(full.token_ids)), full.token_ids], atol=1e-4)
     r = moejax.generate(m, [prompt], max_new_tokens=32, ignore_eos=True, stop=[stop])[0]
     assert r.finish_reason == "stop" and r.text == text[:text.find(stop)] and stop not in r.text
 
@@ -122,6 +134,8 @@ def test_preemption_loses_nothing(tiny_path):
 
 
 def test_eos_stops_unless_ignored(tiny_path):
+    """Invariant: with every token an EOS, generation stops after one token ("stop") unless
+    ignore_eos, when it runs to max_new_tokens ("length")."""
     m = _load(tiny_path)
     m.engine.eos_token_ids = {t for t in range(320)}  # any token ends the sequence
     r = moejax.generate(m, [[4, 5, 6]], max_new_tokens=5)[0]
@@ -140,12 +154,15 @@ def test_eos_stops_unless_ignored(tiny_path):
     ({"stop": [3]}, "stop"),
 ])
 def test_bad_generate_arguments_are_named(tiny_path, kwargs, needle):
+    """Invariant: an invalid sampling argument is refused with an error naming it."""
     m = _load(tiny_path)
     with pytest.raises(ValueError, match=needle):
         moejax.generate(m, ["hello"], **kwargs)
 
 
 def test_bad_prompts_are_named(tiny_path):
+    """Invariant: a bad prompt is refused with an error naming its index and the problem; the engine
+    keeps working afterwards and every KV block is free again."""
     m = _load(tiny_path, max_model_len=32)
     with pytest.raises(ValueError, match=r"prompts\[1\]"):
         moejax.generate(m, ["ok", 3.5])
@@ -161,6 +178,7 @@ def test_bad_prompts_are_named(tiny_path):
 
 
 def test_block_manager_accounting():
+    """BlockManager against hand-counted blocks: ceil(tokens / block_size) allocated, all freed."""
     bm = BlockManager(num_blocks=4, block_size=4)
     s = Sequence(list(range(6)), SamplingParams(), seed=0)
     assert bm.can_allocate(s)

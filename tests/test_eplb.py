@@ -65,6 +65,9 @@ def _load(path, parallel=None):
 @pytestmark_devices
 @pytest.mark.parametrize("redundant", [0, 8])
 def test_rebalance_keeps_logits_and_counts_match_prediction(ckpt, tmp_path, redundant):
+    """On 8 devices: per-rank token counts measured in the dispatch equal those the placement predicts
+    from the expert counts (before and after a rebalance); a forced rebalance leaves the logits
+    (rel 1e-6), greedy tokens and logprobs of the run before it unchanged."""
     m = _load(ckpt, _layout(tmp_path, redundant))
     rng = np.random.default_rng()
     ids = rng.integers(2, 320, size=(8, 17))
@@ -94,6 +97,8 @@ def test_rebalance_keeps_logits_and_counts_match_prediction(ckpt, tmp_path, redu
 
 @pytestmark_devices
 def test_online_rebalance_mid_stream_changes_no_token(ckpt, tmp_path):
+    """Rebalancing every 5 steps while sequences decode: the greedy tokens of the one-device run,
+    and no recompilation of decode across later rebalances."""
     rng = np.random.default_rng()
     prompts = [rng.integers(2, 320, size=int(rng.integers(3, 20))).tolist() for _ in range(12)]
     kw = dict(max_new_tokens=24, ignore_eos=True)
@@ -113,6 +118,8 @@ def test_online_rebalance_mid_stream_changes_no_token(ckpt, tmp_path):
 
 @pytestmark_devices
 def test_balancedness_in_metrics(ckpt, tmp_path):
+    """/metrics' eplb_balancedness gauges against mean/max of the measured per-rank loads, per layer,
+    and overall as their mean (the balancer's own figure)."""
     from moejax.server.metrics import Metrics, parse_metrics
     m = _load(ckpt, _layout(tmp_path))
     moejax.generate(m, [[5, 6, 7, 8]] * 8, max_new_tokens=4, ignore_eos=True)
@@ -124,9 +131,16 @@ def test_balancedness_in_metrics(ckpt, tmp_path):
     bal = m.engine.balancer
     assert len(layers) == len(bal.names) and 0 < overall <= 1
     assert abs(overall - bal.balancedness()[1]) < 1e-9
+    want = [float(r.mean() / r.max()) for r in np.asarray(bal.measured_rank_loads(), np.float64)]
+    by_layer = {int(k.split('layer="')[1].split('"')[0]): v for k, v in parsed.items()
+                if k.startswith("moejax:eplb_balancedness{") and 'layer="all"' not in k}
+    np.testing.assert_allclose([by_layer[i] for i in range(len(want))], want, rtol=1e-9)
+    assert abs(overall - np.mean(want)) < 1e-9
 
 
 def test_eplb_stats_script(capsys):
+    """scripts/eplb_stats.py on a clustered Zipf load: the same bounds as the placement test
+    (contiguous imbalance >= 1.5x, balanced <= 1.05x)."""
     import runpy
     import sys
     argv = sys.argv

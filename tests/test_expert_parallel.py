@@ -50,6 +50,8 @@ def _load(path, parallel=None, **kw):
 @pytest.mark.parametrize("routing", ["uniform", "adversarial"])
 @pytest.mark.parametrize("n,backend", [(8, "a2a"), (8, "replicated"), (4, "a2a")])
 def test_ep_matches_single_device(checkpoints, tmp_path, routing, n, backend):
+    """DP attention + EP experts against the one-device run of the same checkpoint: prefill logits
+    (rel 1e-5), greedy tokens and logprobs of 32 decode steps, uniform and one-rank routing."""
     path = checkpoints[routing]
     single = _load(path)
     ep = _load(path, _layout(tmp_path, n, backend))
@@ -70,6 +72,7 @@ def test_ep_matches_single_device(checkpoints, tmp_path, routing, n, backend):
 
 
 def test_adversarial_routing_really_hits_one_rank(checkpoints):
+    """The adversarial checkpoint's premise: the router picks only experts 0-3 (rank 0's) for any input."""
     from moejax.layers.router import select_experts
     from moejax.models.registry import parse_model_config
     cfg = parse_model_config(CFG)
@@ -81,6 +84,8 @@ def test_adversarial_routing_really_hits_one_rank(checkpoints):
 
 
 def test_sequences_spread_over_ranks_and_decode_compiles_once(checkpoints, tmp_path):
+    """Invariants on dp8: 24 sequences land on every rank, decode compiles once per batch bucket
+    (at most 3), prefill once, and every KV block is free at the end."""
     m = _load(checkpoints["uniform"], _layout(tmp_path, 8, "a2a"), block_size=64)
     eng = m.engine
     rng = np.random.default_rng()
@@ -98,11 +103,13 @@ def test_sequences_spread_over_ranks_and_decode_compiles_once(checkpoints, tmp_p
 
 
 def test_ragged_backend_refused_on_cpu(checkpoints, tmp_path):
+    """Invariant: the ragged backend on CPU is refused with an error naming ragged_all_to_all."""
     with pytest.raises(ValueError, match="ragged_all_to_all"):
         _load(checkpoints["uniform"], _layout(tmp_path, 8, "ragged"))
 
 
 def test_bad_parallel_configs(checkpoints, tmp_path):
+    """Invariant: an unknown layout, DP != EP, or more ranks than devices is refused with an error saying which."""
     with pytest.raises(ValueError, match="not found"):
         _load(checkpoints["uniform"], "dp3-ep7")
     p = tmp_path / "bad.yaml"

@@ -41,6 +41,8 @@ def _imported(node, module: str) -> list[str]:
 
 
 def test_no_import_cycles():
+    """Invariant, on the source (ast): the module import graph of moejax and pallas_kernels is acyclic
+    (a failure names the cycle)."""
     mods = {name: tree for name, _, tree in _modules()}
     graph = {}
     for name, tree in mods.items():
@@ -69,6 +71,8 @@ def test_no_import_cycles():
 
 
 def test_function_local_imports_only_for_optional_dependencies():
+    """Invariant, on the source: imports inside function bodies are only of torch / transformers
+    (a failure names file, line and module)."""
     found = []
     for name, path, tree in _modules():
         for fn in ast.walk(tree):
@@ -82,6 +86,7 @@ def test_function_local_imports_only_for_optional_dependencies():
 
 
 def test_no_model_type_outside_the_family_modules():
+    """Invariant, on the source: no registered model_type string appears outside moejax/models/."""
     model_types = {mt for f in FAMILIES for mt in f.model_types}
     found = []
     for name, path, tree in _modules():

@@ -20,6 +20,8 @@ def _load(path, **kw):
 
 
 def test_fp8_checkpoint_dequantised_on_load(tmp_path):
+    """An HF-written FP8 (block-scaled e4m3) checkpoint: logits against the HF transformers model
+    that wrote it (rel 1e-4)."""
     ref = make_hf_checkpoint(str(tmp_path), preset("v3-tiny", initializer_range=0.1), seed=3, fp8=True)
     f = SafetensorsFile(os.path.join(tmp_path, "model.safetensors"))
     assert str(f.get("model.layers.1.mlp.experts.0.up_proj.weight").dtype) == "float8_e4m3fn"
@@ -30,11 +32,17 @@ def test_fp8_checkpoint_dequantised_on_load(tmp_path):
 
 
 def test_sharded_checkpoint_with_index(tmp_path):
-    make_random_checkpoint(str(tmp_path), preset("v2-lite-tiny"), seed=2, max_shard_bytes=200_000)
-    assert os.path.exists(tmp_path / "model.safetensors.index.json")
-    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
-    m = _load(str(tmp_path))
+    """A checkpoint sharded with an index gives exactly the logits of the same weights in one file."""
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    make_random_checkpoint(str(sharded), preset("v2-lite-tiny"), seed=2, max_shard_bytes=200_000)
+    make_random_checkpoint(str(single), preset("v2-lite-tiny"), seed=2)
+    assert os.path.exists(sharded / "model.safetensors.index.json")
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
+    assert not os.path.exists(single / "model.safetensors.index.json")
+    m = _load(str(sharded))
     assert m.score([[3, 4, 5]]).shape == (1, 3, 320)
+    ids = np.random.default_rng().integers(0, 320, size=(2, 11))
+    np.testing.assert_array_equal(m.score(ids), _load(str(single)).score(ids))
 
 
 def test_numpy_written_checkpoint_loads_in_transformers(tmp_path):
@@ -50,6 +58,7 @@ def test_numpy_written_checkpoint_loads_in_transformers(tmp_path):
 
 
 def test_orbax_save_and_restore(tmp_path):
+    """moejax.save then load: exactly the logits and the greedy tokens of the model that was saved."""
     src, dst = tmp_path / "hf", tmp_path / "saved"
     make_random_checkpoint(str(src), preset("v3-tiny"), seed=5)
     m = _load(str(src))
@@ -59,6 +68,7 @@ def test_orbax_save_and_restore(tmp_path):
     np.testing.assert_array_equal(m.score(ids), m2.score(ids))
     out = moejax.generate(m2, ["abc"], max_new_tokens=3)
     assert len(out[0].token_ids) >= 1
+    assert out[0].token_ids == moejax.generate(m, ["abc"], max_new_tokens=3)[0].token_ids
 
 
 def _rewrite(path, mutate):
@@ -77,6 +87,7 @@ def _rewrite(path, mutate):
      "experts.3.gate_proj"),
 ])
 def test_bad_tensors_are_named(tmp_path, mutation, needle):
+    """Invariant: a missing, unexpected or misshapen tensor is refused with an error naming it."""
     make_random_checkpoint(str(tmp_path), preset("v3-tiny"), seed=6)
     _rewrite(str(tmp_path), mutation)
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
@@ -84,6 +95,7 @@ def test_bad_tensors_are_named(tmp_path, mutation, needle):
 
 
 def test_bad_load_arguments(tmp_path):
+    """Invariant: a bad dtype, max_model_len, path or unknown config field is refused with an error naming it."""
     make_random_checkpoint(str(tmp_path), preset("v3-tiny"), seed=7)
     with pytest.raises(ValueError, match="dtype"):
         moejax.load(str(tmp_path), dtype="float16")

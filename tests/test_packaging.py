@@ -33,6 +33,7 @@ def _pyproject() -> dict:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 64])
 def test_generated_layouts(n):
+    """dp{N}-ep{N} generated for any N, against the expected ParallelConfig (a2a, no EPLB, defaults)."""
     pc = ParallelConfig.load(f"dp{n}-ep{n}")
     assert pc == ParallelConfig(name=f"dp{n}-ep{n}", data_parallel_size=n, expert_parallel_size=n,
                                 moe_backend="a2a", num_redundant_experts=0, eplb_interval=0, eplb_window=1000)
@@ -41,6 +42,7 @@ def test_generated_layouts(n):
 
 @pytest.mark.parametrize("spec", ["dp2-ep4", "dp0-ep0", "dp02-ep02", "nope", "dp8-ep8-eplbx"])
 def test_unknown_names_list_the_choices(spec):
+    """Invariant: an unknown layout name is refused with an error quoting it and listing the choices."""
     with pytest.raises(ValueError) as e:
         ParallelConfig.load(spec)
     msg = str(e.value)
@@ -48,6 +50,8 @@ def test_unknown_names_list_the_choices(spec):
 
 
 def test_shipped_example():
+    """The shipped dp8-ep8-eplb.yaml: its values, every config field set in it, every backend described,
+    and the same layout by name and by path."""
     assert EXAMPLE in shipped_layouts()
     pc = ParallelConfig.load(EXAMPLE)
     assert (pc.name, pc.data_parallel_size, pc.expert_parallel_size, pc.moe_backend) == (EXAMPLE, 8, 8, "a2a")
@@ -63,12 +67,15 @@ def test_shipped_example():
 
 
 def test_no_shipped_layout_is_shadowed_by_the_generated_names():
+    """Invariant: no configs/*.yaml is named dp{N}-ep{N} (those names are generated)."""
     for name in shipped_layouts():
         assert not re.fullmatch(r"dp[0-9]+-ep[0-9]+", name), \
             f"configs/{name}.yaml: dp{{N}}-ep{{N}} names are generated; give the file another name"
 
 
 def test_layout_files_are_validated(tmp_path):
+    """A layout file by path (str or Path) parses to its values; each invalid field is refused with an
+    error saying what is wrong; a missing file is "not found"."""
     p = tmp_path / "mine.yaml"
     p.write_text("data_parallel_size: 4\nexpert_parallel_size: 4\nmoe_backend: replicated\neplb_interval: 5\n")
     pc = ParallelConfig.load(str(p))
@@ -162,6 +169,8 @@ def _copy_tree(dst: Path) -> Path:
 
 
 def test_wheel_and_editable_install_in_fresh_venv(tmp_path):
+    """The built wheel, installed in a fresh venv, ships configs/*.yaml as moejax.configs and loads the
+    same layouts as this tree; the same tree installed editable maps moejax.configs to configs/."""
     if importlib.util.find_spec("pip") is None or importlib.util.find_spec("venv") is None:
         pytest.fail(f"{sys.executable} lacks pip or venv, which this test needs to build and install the wheel")
     if not _pip_can_target_other_pythons():
@@ -223,6 +232,8 @@ def _serve_module():
 
 
 def test_serve_forwards_load_options():
+    """scripts/serve.py's flags reach moejax.load unchanged; every forwarded option is a moejax.load
+    parameter with the same default; bad choices are refused by the parser."""
     import moejax
     serve = _serve_module()
     ap = serve.build_parser()
