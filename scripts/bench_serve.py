@@ -70,11 +70,11 @@ def random_requests(tok, num: int, input_len: int, output_len: int, range_ratio:
     in_lens = rng.integers(lo_i, hi_i + 1, size=num)
     out_lens = rng.integers(lo_o, hi_o + 1, size=num)
     vocab = tok.vocab_size
-    specials = {t for t in (tok.bos_token_id, tok.eos_token_id) if t is not None}
+    specials = sorted({t for t in (tok.bos_token_id, tok.eos_token_id) if t is not None})
+    plain = np.setdiff1d(np.arange(vocab), specials)  # draw from the non-special ids only (no stray BOS/EOS)
     reqs = []
     for n, m in zip(in_lens, out_lens):
-        ids = rng.integers(0, vocab, size=int(n)).tolist()
-        ids = [(t + 1) % vocab if t in specials else t for t in ids]
+        ids = plain[rng.integers(0, len(plain), size=int(n))].tolist()
         reqs.append(SampleRequest(ids, int(n), int(m)))
     return reqs
 

@@ -36,13 +36,15 @@ def test_metric_definitions_follow_vllm():
 
 def test_random_prompts_have_exact_lengths():
     """random_requests with range_ratio 0: every prompt exactly input_len in-vocabulary token ids,
-    and the same seed gives the same requests (a benchmark run replays)."""
+    none of them BOS or EOS (a stray EOS would end a benchmark stream early), and the same seed
+    gives the same requests (a benchmark run replays)."""
     import numpy as np
     tok = bench_serve._tokenizer(None)
     seed = int(np.random.default_rng().integers(1 << 30))
     reqs = bench_serve.random_requests(tok, 5, 17, 9, 0.0, seed=seed)
     assert all(len(r.prompt) == 17 == r.prompt_len and r.expected_output_len == 9 for r in reqs)
     assert all(isinstance(t, int) and 0 <= t < tok.vocab_size for r in reqs for t in r.prompt)
+    assert not {tok.bos_token_id, tok.eos_token_id} & {t for r in reqs for t in r.prompt}
     assert bench_serve.random_requests(tok, 5, 17, 9, 0.0, seed=seed) == reqs
 
 
