@@ -16,8 +16,9 @@ class PreNormDecoderLayer(nn.Module):
     """Subclasses set input_layernorm, post_attention_layernorm, self_attn and define
     ``ffn(normed_hidden, valid)``."""
 
-    def prefill(self, x, positions, seq_lens, cache, slots):
-        a, cache = self.self_attn.prefill(self.input_layernorm(x), positions, seq_lens, cache, slots)
+    def prefill(self, x, positions, seq_lens, cache, slots, block_tables=None, ctx_lens=None, block_size=None):
+        a, cache = self.self_attn.prefill(self.input_layernorm(x), positions, seq_lens, cache, slots, block_tables,
+                                          ctx_lens, block_size)
         h = x + a
         return h + self.ffn(self.post_attention_layernorm(h), real_tokens(cache, slots)), cache
 
@@ -31,11 +32,16 @@ class PreNormDecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Subclasses set embed_tokens, layers, norm and lm_head."""
 
-    def prefill(self, tokens, positions, seq_lens, cache=None, slots=None):
-        """tokens [B, S] -> final hidden states [B, S, H] (before the last norm), cache."""
+    def prefill(self, tokens, positions, seq_lens, cache=None, slots=None, block_tables=None, ctx_lens=None,
+                block_size: int | None = None):
+        """tokens [B, S] -> final hidden states [B, S, H] (before the last norm), cache.
+
+        With ``block_tables`` [B, nb] (and ``block_size``): a chunk of a longer prompt, the last
+        seq_lens[b] positions of a context of ctx_lens[b] tokens whose earlier rows are already
+        in the cache; attention reads the whole context from the cache (layers/prefill_attention.py)."""
         h = self.embed_tokens(tokens)
         for layer in self.layers:
-            h, cache = layer.prefill(h, positions, seq_lens, cache, slots)
+            h, cache = layer.prefill(h, positions, seq_lens, cache, slots, block_tables, ctx_lens, block_size)
         return h, cache
 
     def decode(self, tokens, positions, cache, slots, block_tables, seq_lens, block_size: int):
