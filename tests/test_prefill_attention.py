@@ -114,7 +114,7 @@ def test_paged_segments_match_reference():
     """``paged_prefill_attention`` over a shuffled block table, several segments merged by
     log-sum-exp, against float64 NumPy attention over the same rows; both paths."""
     rng = np.random.default_rng()
-    B, Tq, H, Hk, D, bs, nb = 2, 13, 4, 1, 16, 4, 12
+    B, Tq, H, D, bs, nb = 2, 13, 4, 16, 4, 12
     slots_total = (B * nb + 2) * bs
     cache = rng.standard_normal((2, slots_total, 2 * D)).astype(np.float32)  # layer 1 is read
     tables = rng.permutation(slots_total // bs)[:B * nb].reshape(B, nb).astype(np.int32)
