@@ -1,6 +1,6 @@
 """The one place that picks a kernel (Pallas or XLA) and its block sizes.
 
-``select_moe``, ``select_mla`` and ``select_mfa`` decide from static shapes, dtypes and the
+``select_moe``, ``select_mla``, ``select_mfa`` and ``select_prefill`` decide from static shapes, dtypes and the
 platform (no online profiling, no autotuning at run time); the XLA
 implementation is the fallback everywhere and the default on CPU.
 
@@ -354,3 +354,61 @@ def mfa_attention(q, cache, block_tables, seq_lens, block_size: int, scale: floa
         return None
     return paged_decode_attention(q, None, cache, block_tables, seq_lens, block_size=block_size, scale=float(scale),
                              layer=layer, v_offset=D, **c.params)
+
+
+# ------------------------------------------------------------------ prefill attention (MLA and MFA)
+def _pow2_at_most(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(n, 1).bit_length() - 1)
+
+
+def _pow2_at_least(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(n - 1, 1).bit_length())
+
+
+def select_prefill(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int, qk_dim: int, rope_dim: int,
+                   v_dim: int, dtype, mode: str | None = None) -> Choice:
+    """Causal prefill attention (layers/prefill_attention.py): the Pallas flash kernel
+    (``flash_prefill_attention``) or the XLA blocked path; both are memory-bounded.
+
+    Pallas on GPU when the dims are Triton blocks: ``qk_dim`` (MLA: the 128-dim nope part;
+    the 64-dim rope part is a second dot), ``rope_dim`` (0: none) and ``v_dim`` powers of two
+    >= 16. ``block_q`` counts query rows (tokens x the heads sharing one K/V head).
+    XLA params: query chunk ``block_q`` (tokens) and key block ``block_k``, sized so one chunk's
+    float32 scores [batch, heads, block_q, block_k] stay near 256 MB on a GPU (16 MB on CPU)."""
+    use, forced = _want_pallas(mode)
+    pallas_ok = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+    dims_ok = _triton_dim(qk_dim) and _triton_dim(v_dim) and (rope_dim == 0 or _triton_dim(rope_dim))
+    if use and pallas_ok and (forced or dims_ok):
+        rocm = platform() == "rocm"
+        group = heads // max(kv_heads, 1)
+        rows = q_len * group
+        # H200, attention alone at 1 x 8192 (scripts/bench_prefill.py --sweep, 18 tilings each):
+        # MLA (128 heads, 128 + 64 rope, v 128) 128 x 64 tiles, 8 warps, 3 stages: 6.55 ms, 71% of the
+        # matmul floor, 9.5x the XLA blocked path; Step3 MFA (64 heads x 256 on one K/V head) 128 x 64,
+        # 8 warps, 2 stages: 4.77 ms, 78%, 6.0x (3 stages, or 128-key tiles, exceed shared memory).
+        if max(qk_dim + rope_dim, v_dim) <= 192:
+            p = dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
+        else:
+            p = dict(block_q=128, block_k=64, num_warps=8, num_stages=2)
+        if rocm:  # 64 KB of LDS: shallower pipeline, narrower key tiles (not run: no AMD GPU here)
+            p.update(block_k=32, num_stages=1)
+        p["block_q"] = min(p["block_q"], _pow2_at_least(rows))
+        p["block_k"] = min(p["block_k"], _pow2_at_least(kv_len))
+        return Choice("pallas", p, "forced" if forced else "gpu")
+    budget = (16 << 20) if platform() == "cpu" else (256 << 20)
+    block_k = min(512, _pow2_at_least(kv_len))
+    block_q = _pow2_at_most(budget // max(1, 4 * batch * heads * block_k))
+    block_q = max(16, min(block_q, 1024, _pow2_at_least(q_len)))
+    why = "mode or platform" if not use else (f"dtype {jnp.dtype(dtype)}" if not pallas_ok else
+                                              "dims not powers of two >= 16 (Triton blocks)")
+    return Choice("xla", dict(block_q=block_q, block_k=block_k), why)
+
+
+def prefill_segment(batch: int, heads: int, max_len: int, block_size: int) -> int:
+    """Keys per segment of chunked prefill over the paged cache (layers/prefill_attention.py):
+    one segment's gathered rows are expanded to [batch, segment, heads, k + v]; 4096 tokens is
+    256 MB per sequence for DeepSeek-V3 (128 heads x 256 bf16 values) and one segment holds most
+    contexts whole."""
+    seg = max(block_size, (4096 * 128) // max(heads, 1))
+    seg = min(seg, -(-max_len // block_size) * block_size)
+    return max(block_size, seg // block_size * block_size)

@@ -6,8 +6,9 @@ then ``wq`` expands it to every head. All query heads share
 rotated (rotate-half / NeoX) over the whole head.
 
 The paged cache holds, per token per layer, ``[k | v]`` of every KV head
-(2 * groups * head_dim values: 512 for Step3). Prefill attends over the prompt
-itself and writes the rows at ``slots``; decode writes the new token's row,
+(2 * groups * head_dim values: 512 for Step3). Prefill writes the rows at ``slots`` and
+attends over the prompt itself (or, for a chunk, over the cached context) with no score
+tensor (layers/prefill_attention.py); decode writes the new token's row,
 gathers each sequence's rows once through its block table and computes every
 query head against them in one einsum (the cache is read once per sequence,
 not once per head).
@@ -16,13 +17,13 @@ not once per head).
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from moejax.layers.fp8_policy import Fp8Scheme
-from moejax.layers.linear import Linear, einsum_f32
-from moejax.layers.paged_attention import mfa_decode_attention, write_cache
+from moejax.layers.linear import Linear
 from moejax.layers.norm import RMSNorm
+from moejax.layers.paged_attention import mfa_decode_attention, write_cache
+from moejax.layers.prefill_attention import paged_prefill_attention, prefill_attention
 from moejax.layers.rope import apply_rope, rope_frequencies
 
 
@@ -59,24 +60,39 @@ class MFA(nn.Module):
         v = self.v_proj(x)
         return jnp.concatenate([k.reshape(*x.shape[:-1], G * D).astype(v.dtype), v], axis=-1)
 
-    def prefill(self, x, positions, seq_lens, cache=None, slots=None):
-        """x [B, S, H], positions [B, S], seq_lens [B]; writes [k | v] rows to cache at slots [B, S]."""
+    def prefill(self, x, positions, seq_lens, cache=None, slots=None, block_tables=None, ctx_lens=None,
+                block_size: int | None = None):
+        """x [B, S, H], positions [B, S], seq_lens [B]; writes [k | v] rows to cache at slots [B, S].
+
+        Without ``block_tables`` the prompt attends to itself; with ``block_tables`` [B, nb] (and
+        ``block_size``) the chunk is the last seq_lens[b] positions of a context of ``ctx_lens[b]``
+        tokens (``positions`` must be those positions): its rows are written first, then it
+        attends to positions [0, ctx_len) read from the cache one segment at a time. Every query
+        head of a K/V group shares that head's keys (layers/prefill_attention.py: no [S, S] scores)."""
         c = self.cfg
         B, S, _ = x.shape
         nh, G, D = c.num_attention_heads, c.num_attention_groups, c.head_dim
-        q = self._query(x, positions).reshape(B, S, G, nh // G, D)
+        q = self._query(x, positions)  # [B, S, nh, D]
         row = self._kv_row(x, positions)
         if cache is not None:
             cache = write_cache(cache, self.layer, slots.reshape(-1), row.reshape(B * S, -1))
-        k = row[..., :G * D].reshape(B, S, G, D)
-        v = row[..., G * D:].reshape(B, S, G, D)
-        s = einsum_f32("bqgnd,bkgd->bgnqk", q, k) * c.softmax_scale
-        qpos = jnp.arange(S)
-        mask = (qpos[None, :] <= qpos[:, None])[None] & (qpos[None, None, :] < seq_lens[:, None, None])
-        s = jnp.where(mask[:, None, None], s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
-        o = jnp.einsum("bgnqk,bkgd->bqgnd", p, v).reshape(B, S, nh * D)
-        return self.o_proj(o), cache
+
+        def per_head(rows):  # [B, T, 2 G D] rows [k of every head | v of every head] -> [B, T, G, 2D]
+            T = rows.shape[1]
+            if G == 1:
+                return rows.reshape(B, T, 1, 2 * D)
+            return jnp.concatenate([rows[..., :G * D].reshape(B, T, G, D), rows[..., G * D:].reshape(B, T, G, D)], -1)
+
+        kw = dict(scale=c.softmax_scale, v_offset=D, v_dim=D, out_dtype=x.dtype)
+        if block_tables is None:
+            o = prefill_attention(q, per_head(row), seq_lens, **kw)
+        else:
+            if cache is None or block_size is None:
+                raise ValueError("prefill over the paged cache needs cache, slots and block_size")
+            o = paged_prefill_attention(q, cache, block_tables, seq_lens, seq_lens if ctx_lens is None else ctx_lens,
+                                        block_size, expand=lambda rows: (per_head(rows.astype(q.dtype)), None),
+                                        row_dim=2 * G * D, layer=self.layer, **kw)
+        return self.o_proj(o.reshape(B, S, nh * D)), cache
 
     def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size: int):
         """x [B, H] one new token per sequence, already counted in seq_lens."""

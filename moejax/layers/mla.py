@@ -1,7 +1,8 @@
 """Multi-head Latent Attention (DeepSeek-V2/V3).
 
 Prefill uses the expanded form (K/V rebuilt from the latents of the prompt
-itself, one causal attention). Decode uses the absorbed form against the
+itself, or of the cached context for a chunk, one causal flash attention with no score
+tensor: layers/prefill_attention.py). Decode uses the absorbed form against the
 paged latent cache: per token per layer only kv_lora_rank + qk_rope_head_dim
 values are stored and read.
 """
@@ -9,13 +10,13 @@ values are stored and read.
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from moejax.layers.fp8_policy import Fp8Scheme
 from moejax.layers.linear import Linear, einsum_f32
-from moejax.layers.paged_attention import mla_decode_attention, write_cache
 from moejax.layers.norm import RMSNorm
+from moejax.layers.paged_attention import mla_decode_attention, write_cache
+from moejax.layers.prefill_attention import paged_prefill_attention, prefill_attention
 from moejax.layers.rope import apply_rope, rope_frequencies
 
 
@@ -58,27 +59,42 @@ class MLA(nn.Module):
         k_rope = self._rope(kv[..., c.kv_lora_rank:], positions)
         return jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
 
-    def prefill(self, x, positions, seq_lens, cache=None, slots=None):
-        """x [B, S, H], positions [B, S], seq_lens [B]; writes latents to cache at slots [B, S]."""
+    def prefill(self, x, positions, seq_lens, cache=None, slots=None, block_tables=None, ctx_lens=None,
+                block_size: int | None = None):
+        """x [B, S, H], positions [B, S], seq_lens [B]; writes latents to cache at slots [B, S].
+
+        Without ``block_tables`` the prompt attends to itself (expanded K/V of its own latents;
+        query i at position i). With ``block_tables`` [B, nb] (and ``block_size``) the chunk is
+        the last seq_lens[b] positions of a context of ``ctx_lens[b]`` tokens (default seq_lens;
+        ``positions`` must be those positions): its latents are written first, then it attends
+        to positions [0, ctx_len) read from the cache, expanded through kv_b_proj one segment at
+        a time (layers/prefill_attention.py; the expanded form beats the absorbed one from about
+        170 query tokens a chunk, docs/architecture.md). Both paths are memory-bounded: no
+        [S, S] scores (layers/prefill_attention.py)."""
         c = self.cfg
         B, S, _ = x.shape
-        nh, dn, dv = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
+        nh, dn, dv, C = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
         q_nope, q_rope = self._query(x, positions)
         lat = self._latent(x, positions)
         if cache is not None:
             cache = write_cache(cache, self.layer, slots.reshape(-1), lat.reshape(B * S, -1))
-        latent, k_rope = lat[..., :c.kv_lora_rank], lat[..., c.kv_lora_rank:]
-        kv = self.kv_b_proj(latent).reshape(B, S, nh, dn + dv)
-        k_nope, v = kv[..., :dn], kv[..., dn:]
-        s = einsum_f32("bqhd,bkhd->bhqk", q_nope, k_nope)
-        s = s + einsum_f32("bqhr,bkr->bhqk", q_rope, k_rope)
-        s = s * c.softmax_scale
-        qpos = jnp.arange(S)
-        mask = (qpos[None, :] <= qpos[:, None])[None] & (qpos[None, None, :] < seq_lens[:, None, None])
-        s = jnp.where(mask[:, None], s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
-        o = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(B, S, nh * dv)
-        return self.o_proj(o), cache
+        kw = dict(scale=c.softmax_scale, v_offset=dn, v_dim=dv, out_dtype=x.dtype)
+        if block_tables is None:
+            kv = self.kv_b_proj(lat[..., :C]).reshape(B, S, nh, dn + dv)  # [k_nope | v] per head
+            o = prefill_attention(q_nope, kv, seq_lens, q_rope=q_rope, k_rope=lat[..., C:], **kw)
+        else:
+            if cache is None or block_size is None:
+                raise ValueError("prefill over the paged cache needs cache, slots and block_size")
+            w_kv_b = self.kv_b_proj.weight  # [nh * (dn + dv), C]
+
+            def expand(rows):  # cache rows [B, T, C + R] -> [k_nope | v] per head, shared rope key
+                kv = jnp.einsum("...i,oi->...o", rows[..., :C].astype(w_kv_b.dtype), w_kv_b)
+                return kv.reshape(*rows.shape[:2], nh, dn + dv), rows[..., C:]
+
+            o = paged_prefill_attention(q_nope, cache, block_tables, seq_lens,
+                                        seq_lens if ctx_lens is None else ctx_lens, block_size, expand=expand,
+                                        row_dim=C + c.qk_rope_head_dim, q_rope=q_rope, layer=self.layer, **kw)
+        return self.o_proj(o.reshape(B, S, nh * dv)), cache
 
     def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size: int):
         """x [B, H] one new token per sequence, already counted in seq_lens."""

@@ -51,8 +51,9 @@ class PreNormDecoderLayer(nn.Module):
         """valid: which tokens are real (padding is not routed to experts)."""
         return self.mlp(x, valid) if self.cfg.is_moe_layer(self.layer) else self.mlp(x)
 
-    def prefill(self, x, positions, seq_lens, cache, slots):
-        a, cache = self.self_attn.prefill(self.input_layernorm(x), positions, seq_lens, cache, slots)
+    def prefill(self, x, positions, seq_lens, cache, slots, block_tables=None, ctx_lens=None, block_size=None):
+        a, cache = self.self_attn.prefill(self.input_layernorm(x), positions, seq_lens, cache, slots, block_tables,
+                                          ctx_lens, block_size)
         h = x + a
         return h + self.ffn(self.post_attention_layernorm(h), real_tokens(cache, slots)), cache
 
@@ -78,11 +79,16 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, self.dtype, self.fp8.scheme("lm_head"))
 
-    def prefill(self, tokens, positions, seq_lens, cache=None, slots=None):
-        """tokens [B, S] -> final hidden states [B, S, H] (before the last norm), cache."""
+    def prefill(self, tokens, positions, seq_lens, cache=None, slots=None, block_tables=None, ctx_lens=None,
+                block_size: int | None = None):
+        """tokens [B, S] -> final hidden states [B, S, H] (before the last norm), cache.
+
+        With ``block_tables`` [B, nb] (and ``block_size``): a chunk of a longer prompt, the last
+        seq_lens[b] positions of a context of ctx_lens[b] tokens whose earlier rows are already
+        in the cache; attention reads the whole context from the cache (layers/prefill_attention.py)."""
         h = self.embed_tokens(tokens)
         for layer in self.layers:
-            h, cache = layer.prefill(h, positions, seq_lens, cache, slots)
+            h, cache = layer.prefill(h, positions, seq_lens, cache, slots, block_tables, ctx_lens, block_size)
         return h, cache
 
     def decode(self, tokens, positions, cache, slots, block_tables, seq_lens, block_size: int):
