@@ -14,6 +14,6 @@ dec() {  # name, args...
 }
 dec deepseek-v3-ep8-rank_c256 --preset deepseek-v3-ep8-rank --concurrency 256 --input-len 2000 --output-len 32
 timeout 130 python3 scripts/bench_prefill.py --preset deepseek-v3-ep8-rank --layers 4 --points 1x2048,8x2048,1x32768 \
-  --kernels auto,full --iters 3 --json $OUT/prefill_v3.json > $OUT/prefill_v3.txt 2>&1; echo "rc=$?" >> $OUT/prefill_v3.txt
-grep -vE "^\s*$" $OUT/prefill_v3.txt | cut -c1-200 | tail -14
+  --kernels auto,full --iters 3 --json $OUT/prefill_deepseek-v3-ep8-rank_l4.json > $OUT/prefill_deepseek-v3-ep8-rank_l4.txt 2>&1; echo "rc=$?" >> $OUT/prefill_deepseek-v3-ep8-rank_l4.txt
+grep -vE "^\s*$" $OUT/prefill_deepseek-v3-ep8-rank_l4.txt | cut -c1-200 | tail -14
 dec deepseek-v2-lite_c256 --preset deepseek-v2-lite --concurrency 256 --input-len 2000 --output-len 32
