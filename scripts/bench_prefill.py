@@ -6,7 +6,7 @@ each attention path in the same process, beside the compute floor measured in th
 
   python scripts/bench_prefill.py --preset deepseek-v3-ep8-rank,deepseek-v2-lite,step3-ep8-rank --layers 2 \\
       --points 1x2048,1x8192,1x32768,8x2048,32x2048 --kernels auto,xla,full --json prefill.json
-  python scripts/bench_prefill.py --sweep            # the Pallas kernel's block sizes, attention alone
+  python scripts/bench_prefill.py --check --sweep    # kernel vs float64 on the device; its tilings alone
   python scripts/bench_prefill.py --smoke            # tiny models on the CPU, in seconds
 
 Paths (--kernels): "auto" / "pallas" / "xla": ``moejax.load(kernels=...)`` for the whole model
