@@ -200,6 +200,12 @@ def select_moe_fp8(num_rows: int, num_experts: int, hidden: int, inter: int, dty
     return Choice("pallas", p, base.reason)
 
 
+def _XLA_ABOVE_64():
+    """H200 (benchmarks/2026-12-03d/kernels_fp8.txt): above 64 rows XLA's dequantise-then-dot beat the
+    block-scaled kernel at 7 of 8 V3 projection shapes (M = 256, 1024; e.g. o_proj 381 vs 477 us at
+    256), at 64 rows the kernel won 3 of 4 (o_proj 181 vs 320 us). ROCm not measured: kernel kept."""
+
+
 def select_fp8_linear(m: int, n: int, k: int, dtype, weight_dtype, variant: str = "w8a16",
                       mode: str | None = None) -> Choice:
     """y = x[m, k] @ (W[n, k] * scale)^T: Pallas ``block_scaled_matmul`` or XLA dequantise-then-dot.
@@ -216,6 +222,8 @@ def select_fp8_linear(m: int, n: int, k: int, dtype, weight_dtype, variant: str 
         return Choice("xla", reason=why)
     if not forced and (n < 16 or k < 16):
         return Choice("xla", reason="dims below the Triton dot minimum (16)")
+    if not forced and m > 64 and platform() == "cuda":
+        return Choice("xla", reason=_XLA_ABOVE_64.__doc__)
     cap = lambda b, d: max(16, min(b, 1 << max(d - 1, 1).bit_length()))
     if m <= 64:
         bm = max(16, 1 << max(m - 1, 0).bit_length())  # a power of two (Triton blocks), >= 16 (dot minimum)

@@ -26,7 +26,7 @@ from moejax.layers.rope import RopeConfig, yarn_mscale
 from moejax.models.decoder import CausalLM, PreNormDecoderLayer
 from moejax.models.family import ModelFamily
 from moejax.models.hf_config import bad, eos_ids, fp8_block, refuse_flags, refuse_unknown, require_positive_ints
-from moejax.weights.param_tree import TOP_LEVEL, TOP_LEVEL_NAME, ParamRef
+from moejax.weights.param_tree import TOP_LEVEL, ParamRef, default_hf_name
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
@@ -246,12 +246,10 @@ def hf_to_param(name: str) -> ParamRef | None:
 
 def param_to_hf(path: tuple[str, ...], expert: int | None = None) -> str:
     """Inverse of hf_to_param, for messages and for writing HF checkpoints."""
-    if path in TOP_LEVEL_NAME:
-        return TOP_LEVEL_NAME[path]
-    layer = path[0].removeprefix("layers_")
     if path[1:3] == ("mlp", "experts"):
-        return f"model.layers.{layer}.mlp.experts.{expert if expert is not None else '*'}.{path[3]}.weight"
-    return f"model.layers.{layer}." + ".".join(path[1:])
+        e = expert if expert is not None else "*"
+        return f"model.layers.{path[0].removeprefix('layers_')}.mlp.experts.{e}.{path[3]}.weight"
+    return default_hf_name(path)
 
 
 def is_mtp_tensor(name: str, cfg: DeepseekConfig) -> bool:

@@ -38,7 +38,7 @@ from moejax.models.decoder import CausalLM, PreNormDecoderLayer
 from moejax.models.family import ModelFamily
 from moejax.models.hf_config import (bad, eos_ids, fp8_block, is_int, refuse_flags, refuse_unknown,
                                      require_positive_ints)
-from moejax.weights.param_tree import TOP_LEVEL, TOP_LEVEL_NAME, ParamRef
+from moejax.weights.param_tree import TOP_LEVEL, ParamRef, default_hf_name
 
 MODEL_TYPES = ("step3_text", "step3_vl")
 
@@ -286,14 +286,10 @@ def hf_to_param(name: str) -> ParamRef | None:
 
 def param_to_hf(path: tuple[str, ...], expert: int | None = None) -> str:
     """Inverse of hf_to_param (without any VL prefix), for messages and for writing checkpoints."""
-    if path in TOP_LEVEL_NAME:
-        return TOP_LEVEL_NAME[path]
-    layer = path[0].removeprefix("layers_")
-    if path[1:3] == ("mlp", "experts"):
-        return f"model.layers.{layer}.moe.{path[3]}.weight"
-    if path[1:3] == ("mlp", "gate"):
-        return f"model.layers.{layer}.moe.gate.weight"
-    return f"model.layers.{layer}." + ".".join(path[1:])
+    if path[1:3] in (("mlp", "experts"), ("mlp", "gate")):  # Step3 calls its MoE block "moe"
+        leaf = path[3] if path[2] == "experts" else "gate"
+        return f"model.layers.{path[0].removeprefix('layers_')}.moe.{leaf}.weight"
+    return default_hf_name(path)
 
 
 def is_fp8_quantized(name: str) -> bool:

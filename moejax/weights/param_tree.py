@@ -21,6 +21,14 @@ TOP_LEVEL = {
 TOP_LEVEL_NAME = {path: name for name, path in TOP_LEVEL.items()}
 
 
+def default_hf_name(path: tuple[str, ...]) -> str:
+    """HF's name of a parameter stored under its own module path (everything but routed experts):
+    ``layers_3/self_attn/q_a_proj/weight`` -> ``model.layers.3.self_attn.q_a_proj.weight``."""
+    if path in TOP_LEVEL_NAME:
+        return TOP_LEVEL_NAME[path]
+    return f"model.layers.{path[0].removeprefix('layers_')}." + ".".join(path[1:])
+
+
 class ParamRef(NamedTuple):
     """Where one HF tensor goes: a leaf path, and for routed experts how HF stores them."""
     path: tuple[str, ...]
