@@ -43,7 +43,7 @@ sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 import moejax.layers.mfa as mfa_mod  # noqa: E402
 import moejax.layers.mla as mla_mod  # noqa: E402
-from moejax.benchmark.roofline import measure_matmul_rate  # noqa: E402
+from moejax.benchmark.roofline import measure_matmul_rate, time_call  # noqa: E402
 from moejax.kernel_selection import kernel_mode, select_prefill  # noqa: E402
 from moejax.layers.linear import einsum_f32  # noqa: E402
 from moejax.layers.prefill_attention import prefill_attention, xla_prefill_attention  # noqa: E402
@@ -156,17 +156,6 @@ def time_steps(step, args, cache, iters: int, warmup: int) -> list[float]:
     return ts
 
 
-def time_fn(fn, *args, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 def attention_inputs(a: dict, B: int, S: int, dtype):
     k = jax.random.split(jax.random.key(1), 4)
     q = (jax.random.normal(k[0], (B, S, a["H"], a["Dk"]), jnp.float32) * 0.5).astype(dtype)
@@ -186,7 +175,7 @@ def time_attention(a: dict, B: int, S: int, path: str, dtype, iters: int, warmup
             return mla_mod.prefill_attention(q, kv, lens, q_rope=qr, k_rope=kr, **kw)
 
     f = jax.jit(fn)
-    t = time_fn(f, q, kv, qr, kr, lens, iters=iters, warmup=warmup)
+    t = time_call(f, q, kv, qr, kr, lens, iters=iters, warmup=warmup)
     out = f(q, kv, qr, kr, lens)
     del q, kv, qr, kr
     return t, out
@@ -374,7 +363,7 @@ def sweep(a_args, rate: float, results: dict) -> None:
         flops = B * S * (S + 1) / 2 * a["H"] * 2 * (a["Dk"] + a["R"] + a["Dv"])
         rows = out.setdefault(name, {"point": a_args.sweep_point, "floor_s": flops / rate, "runs": []})
         sel = select_prefill(B, S, S, a["H"], a["Hk"], a["Dk"], a["R"], a["Dv"], BF16, "pallas").params
-        xla = time_fn(jax.jit(lambda q, kv, qr, kr, n: xla_prefill_attention(
+        xla = time_call(jax.jit(lambda q, kv, qr, kr, n: xla_prefill_attention(
             q, kv, n, scale=a["scale"], q_rope=qr, k_rope=kr, v_dim=a["Dv"], out_dtype=BF16)), q, kv, qr, kr, lens,
             iters=a_args.iters, warmup=1)
         rows["xla_s"] = xla
@@ -385,7 +374,7 @@ def sweep(a_args, rate: float, results: dict) -> None:
             try:
                 f = jax.jit(lambda q, kv, qr, kr, n, kw=kw: flash_prefill_attention(
                     q, kv, n, scale=a["scale"], q_rope=qr, k_rope=kr, v_dim=a["Dv"], out_dtype=BF16, **kw))
-                t = time_fn(f, q, kv, qr, kr, lens, iters=a_args.iters, warmup=1)
+                t = time_call(f, q, kv, qr, kr, lens, iters=a_args.iters, warmup=1)
             except Exception as e:  # noqa: BLE001  (a tile that does not fit: shared memory, registers)
                 rows["runs"].append({**kw, "failed": str(e).strip().splitlines()[0][:200]})
                 print(f"  {kw}: failed")
