@@ -316,7 +316,7 @@ def main(argv=None):
     peer = peer_note = None
     if a.peer:
         if not family_of(cfg).transformers_classes:
-            peer_note = f"transformers has no {family_of(cfg).name} model"
+            peer_note = f"transformers has no {family_of(cfg).name.capitalize()} model"
         else:
             peer, peer_note = peer_in_child(argv if argv is not None else sys.argv[1:])
     bw, rate = measure_copy_bandwidth(), measure_matmul_rate()
