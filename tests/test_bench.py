@@ -160,10 +160,10 @@ def test_a_failing_variant_is_recorded_and_the_others_kept(tmp_path, monkeypatch
     import bench_decode
     real = bench_decode.run_one
 
-    def run_one(hf, parallel, kernels, a):
+    def run_one(hf, parallel, kernels, a, weight_dtype="bf16"):
         if kernels == "xla":
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 48.38GiB")
-        return real(hf, parallel, kernels, a)
+        return real(hf, parallel, kernels, a, weight_dtype)
 
     monkeypatch.setattr(bench_decode, "run_one", run_one)
     out = tmp_path / "decode_v3-tiny_c2.json"
