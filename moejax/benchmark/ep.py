@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.benchmark.roofline import time_call
+from moejax.layers.experts import ExpertWeights
 from moejax.parallel.dispatch import dispatch_fn
 from moejax.parallel.sharding import AXIS
 
@@ -53,7 +54,7 @@ def time_dispatch(mesh, backend: str, tokens: int, hidden: int, experts: int, to
     moved = {"a2a": 2 * (n - 1) * T * H * 2, "ragged": 2 * pairs * H * 2,
              "replicated": (n - 1) * T * H * 2 + (n - 1) * T * H * 4}[backend]
     body = functools.partial(dispatch_fn(backend), axis=AXIS, n_ranks=n)
-    f = jax.jit(jax.shard_map(lambda *args: body(*args)[0], mesh=mesh,
+    f = jax.jit(jax.shard_map(lambda *a: body(*a[:6], ExpertWeights(*a[6:]))[0], mesh=mesh,
                               in_specs=(P(AXIS),) * 4 + (P(), P()) + (P(AXIS),) * 3, out_specs=P(AXIS),
                               check_vma=False))
     idx = jax.device_put(idx, shard)
