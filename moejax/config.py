@@ -87,7 +87,9 @@ class EngineConfig:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         # "auto" keeps a checkpoint's FP8 where the kernels take its blocks (128x128), else dequantises.
         fp8_on = weight_dtype == "fp8" or (weight_dtype == "auto" and model.fp8_block_size == (128, 128))
-        fp8 = Fp8Policy.create(fp8_layers if fp8_on else (), (128, 128), fp8_variant)
+        fp8 = Fp8Policy.create(fp8_layers, (128, 128), fp8_variant)  # checked even when unused
+        if not fp8_on:
+            fp8 = Fp8Policy(frozenset(), fp8.block, fp8.variant)
         if isinstance(parallel, str):
             parallel = ParallelConfig.load(parallel)
         if parallel is not None:
