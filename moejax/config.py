@@ -31,13 +31,14 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # per data-parallel rank; None = fit max_num_seqs x max_model_len in memory
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3 rows with a per-row scale)
+    enable_prefix_caching: bool = True  # reuse the cached blocks of a prompt's longest cached prefix
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     max_model_len: int  # prompt + output tokens of one sequence
     max_num_seqs: int = 256  # per data-parallel rank
-    max_prefill_tokens: int = 8192  # prompt tokens of one prefill step
+    max_prefill_tokens: int = 8192  # prompt tokens of one prefill step (longer prompts go in chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ class EngineConfig:
                max_model_len: int | None = None, max_num_seqs: int = 256, block_size: int = 16,
                num_kv_blocks: int | None = None, max_prefill_tokens: int = 8192, kv_cache_dtype: str = "auto",
                kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
-               fp8_variant: str = "w8a16") -> "EngineConfig":
+               fp8_variant: str = "w8a16", enable_prefix_caching: bool = True) -> "EngineConfig":
         """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
 
         ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8), "fp8" also
@@ -76,6 +77,8 @@ class EngineConfig:
                         ("max_prefill_tokens", max_prefill_tokens)):
             if not _positive_int(v):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if num_kv_blocks is not None and not _positive_int(num_kv_blocks):
             raise ValueError(f"num_kv_blocks must be a positive integer or None, got {num_kv_blocks!r}")
         if max_model_len is None:
@@ -103,7 +106,7 @@ class EngineConfig:
                                  "implement; use 'a2a' or 'replicated' on CPU")
         return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels, fp8=fp8,
                    scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens),
-                   cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype))
+                   cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching))
 
     @property
     def num_ranks(self) -> int:

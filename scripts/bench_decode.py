@@ -223,7 +223,7 @@ def run_one(hf, parallel, kernels, a, weight_dtype="bf16"):
                             SamplingParams(max_new_tokens=a.output_len, ignore_eos=True)) for _ in range(a.concurrency)]
     if a.fill == "random":
         fill_without_prefill(eng)
-    while eng.scheduler.waiting:  # prefill everything (not timed)
+    while eng.scheduler.waiting or eng.scheduler.prefilling:  # prefill everything (not timed)
         eng.step()
     times = []
     while len(times) < a.warmup + a.steps:

@@ -148,7 +148,7 @@ def cmd_eplb(a, n: int) -> int:
         eng = m.engine
         seqs = [eng.add_request(p, SamplingParams(max_new_tokens=a.warmup + a.steps + 2, ignore_eos=True))
                 for p in prompts]
-        while eng.scheduler.waiting:
+        while eng.scheduler.waiting or eng.scheduler.prefilling:
             eng.step()
         times = []
         for i in range(a.warmup + a.steps):  # the balanced run rebalances once, after the warm-up steps

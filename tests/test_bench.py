@@ -139,7 +139,7 @@ def test_random_fill_leaves_the_engine_as_a_prefill_would(tmp_path):
                 for n in (7, 16, 3)]
         if fill == "random":
             bench_decode.fill_without_prefill(eng)
-        while eng.scheduler.waiting:
+        while eng.scheduler.waiting or eng.scheduler.prefilling:
             eng.step()
         engines.append((eng, seqs))
         cache = np.asarray(eng.runner.cache, np.float32)

@@ -1,19 +1,70 @@
-"""Allocates fixed-size KV-cache blocks to sequences (host-side bookkeeping).
+"""Allocates fixed-size KV-cache blocks to sequences (host-side bookkeeping), with
+automatic prefix caching.
 
 With data parallelism each rank (device) has its own cache and block pool; a
-sequence is placed on one rank at admission (the one with the fewest sequences
-that has room) and stays there. Block ids are local to the rank.
+sequence is placed on one rank at admission and stays there. Block ids are local
+to the rank.
+
+Prefix caching (vLLM's scheme): a full block whose latents are computed is keyed
+by a hash of its token ids chained with the hash of every block before it, so a key
+names the whole prefix up to the block's end. A new sequence reuses the cached
+blocks of its longest cached prefix (reference-counted: several sequences may share
+a block) and only the rest is prefilled. A block nobody holds goes to the back of
+its rank's free queue but keeps its key; allocation takes from the front, so the
+least recently freed cached blocks are evicted first (LRU), and only when no
+never-used block is left ahead of them.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import collections
+import hashlib
+
+import numpy as np
 
 from moejax.engine.sequence import Sequence
 
 
+def block_hash(parent: bytes | None, tokens) -> bytes:
+    """The key of a full block: its tokens chained to the key of the block before it."""
+    h = hashlib.sha256(parent or b"")
+    h.update(np.asarray(tokens, np.int64).tobytes())
+    return h.digest()
+
+
+class _RankPool:
+    """One rank's blocks: reference counts, the LRU free queue and the prefix-cache table."""
+
+    def __init__(self, num_blocks: int):
+        self.ref = [0] * num_blocks
+        self.free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(num_blocks))
+        self.key_of: dict[int, bytes] = {}  # block -> its key (while its contents are valid)
+        self.block_of: dict[bytes, int] = {}  # key -> block
+        self.num_seqs = 0
+
+    def take(self) -> int:
+        """A free block (the least recently freed); a cached one loses its key."""
+        b, _ = self.free.popitem(last=False)
+        key = self.key_of.pop(b, None)
+        if key is not None:
+            del self.block_of[key]
+        self.ref[b] = 1
+        return b
+
+    def share(self, b: int) -> None:
+        if self.ref[b] == 0:
+            del self.free[b]
+        self.ref[b] += 1
+
+    def release(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self.free[b] = None
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, num_ranks: int = 1, max_seqs_per_rank: int | None = None):
+    def __init__(self, num_blocks: int, block_size: int, num_ranks: int = 1, max_seqs_per_rank: int | None = None,
+                 enable_prefix_caching: bool = True):
         """num_blocks is per rank."""
         if num_blocks < 1 or block_size < 1 or num_ranks < 1:
             raise ValueError("num_blocks, block_size and num_ranks must be positive")
@@ -21,8 +72,8 @@ class BlockManager:
         self.block_size = block_size
         self.num_ranks = num_ranks
         self.max_seqs_per_rank = max_seqs_per_rank
-        self.free: list[deque[int]] = [deque(range(num_blocks)) for _ in range(num_ranks)]
-        self.seqs_on_rank = [0] * num_ranks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pools = [_RankPool(num_blocks) for _ in range(num_ranks)]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -33,42 +84,110 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        return sum(len(f) for f in self.free)
+        """Blocks no sequence holds (cached-but-unused ones included: they are reclaimable)."""
+        return sum(len(p.free) for p in self.pools)
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
-    def _rank_for(self, seq: Sequence) -> int | None:
-        need = self.blocks_needed(len(seq))
-        ok = [r for r in range(self.num_ranks) if need <= len(self.free[r])
-              and (self.max_seqs_per_rank is None or self.seqs_on_rank[r] < self.max_seqs_per_rank)]
-        return min(ok, key=lambda r: (self.seqs_on_rank[r], -len(self.free[r]))) if ok else None
+    @property
+    def seqs_on_rank(self) -> list[int]:
+        return [p.num_seqs for p in self.pools]
+
+    # ----- prefix cache ---------------------------------------------------
+    def _prefix_keys(self, seq: Sequence) -> list[bytes]:
+        """Keys of the sequence's full blocks that may be reused: at least one token is always
+        left to compute (its logits give the next token)."""
+        n = (len(seq) - 1) // self.block_size
+        keys, parent = [], None
+        for i in range(n):
+            if i < len(seq.block_hashes):
+                parent = seq.block_hashes[i]
+            else:
+                parent = block_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            keys.append(parent)
+        return keys
+
+    def _cached_prefix(self, pool: _RankPool, keys: list[bytes]) -> list[int]:
+        blocks = []
+        for k in keys:
+            b = pool.block_of.get(k)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    # ----- allocation -----------------------------------------------------
+    def _plan(self, seq: Sequence):
+        """(rank, cached blocks, keys) for admitting seq, or None when no rank has room."""
+        keys = self._prefix_keys(seq) if self.enable_prefix_caching else []
+        need_total = self.blocks_needed(len(seq))
+        best = None
+        for r, pool in enumerate(self.pools):
+            if self.max_seqs_per_rank is not None and pool.num_seqs >= self.max_seqs_per_rank:
+                continue
+            hit = self._cached_prefix(pool, keys)
+            # Cached blocks nobody holds sit in the free queue: reusing them takes them out of it.
+            idle_hits = sum(1 for b in hit if pool.ref[b] == 0)
+            if need_total - len(hit) > len(pool.free) - idle_hits:
+                continue
+            rank_key = (-len(hit), pool.num_seqs, -len(pool.free))
+            if best is None or rank_key < best[0]:
+                best = (rank_key, r, hit)
+        return None if best is None else (best[1], best[2], keys)
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return self._rank_for(seq) is not None
+        return self._plan(seq) is not None
 
-    def allocate(self, seq: Sequence) -> None:
-        """Blocks for every token the sequence has now (its prefill), on the chosen rank."""
+    def allocate(self, seq: Sequence) -> int:
+        """Blocks for every token the sequence has now (its prefill), on the chosen rank, reusing
+        its longest cached prefix. Returns the number of tokens found in the cache."""
         assert not seq.block_table
-        r = self._rank_for(seq)
-        if r is None:
+        plan = self._plan(seq)
+        if plan is None:
             raise RuntimeError("allocate() without can_allocate()")
+        r, hit, keys = plan
+        pool = self.pools[r]
         seq.dp_rank = r
-        self.seqs_on_rank[r] += 1
-        seq.block_table = [self.free[r].popleft() for _ in range(self.blocks_needed(len(seq)))]
+        pool.num_seqs += 1
+        for b in hit:
+            pool.share(b)
+        seq.block_table = hit + [pool.take() for _ in range(self.blocks_needed(len(seq)) - len(hit))]
+        seq.block_hashes = keys[:len(hit)]
+        seq.num_cached_tokens = len(hit) * self.block_size
+        return seq.num_cached_tokens
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the token the next decode step writes (at position len(seq) - 1)."""
-        return self.blocks_needed(len(seq)) <= len(seq.block_table) or len(self.free[seq.dp_rank]) > 0
+        return self.blocks_needed(len(seq)) <= len(seq.block_table) or len(self.pools[seq.dp_rank].free) > 0
 
     def append(self, seq: Sequence) -> None:
         if self.blocks_needed(len(seq)) > len(seq.block_table):
-            seq.block_table.append(self.free[seq.dp_rank].popleft())
+            seq.block_table.append(self.pools[seq.dp_rank].take())
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Registers the sequence's full blocks whose latents are now all in the cache."""
+        if not self.enable_prefix_caching:
+            return
+        pool = self.pools[seq.dp_rank]
+        full = min(seq.num_cached_tokens, len(seq)) // self.block_size
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), full):
+            parent = seq.block_hashes[i - 1] if i else None
+            key = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(key)
+            b = seq.block_table[i]
+            if key not in pool.block_of and b not in pool.key_of:
+                pool.block_of[key] = b
+                pool.key_of[b] = key
 
     def deallocate(self, seq: Sequence) -> None:
         if seq.block_table:
-            self.free[seq.dp_rank].extend(seq.block_table)
-            self.seqs_on_rank[seq.dp_rank] -= 1
+            pool = self.pools[seq.dp_rank]
+            for b in reversed(seq.block_table):  # a prefix's tail is evicted before its head
+                pool.release(b)
+            pool.num_seqs -= 1
         seq.block_table = []
+        seq.block_hashes = []
         seq.num_cached_tokens = 0

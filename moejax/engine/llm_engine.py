@@ -29,6 +29,8 @@ class EngineStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_time: float = 0.0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # ... found there (not recomputed)
 
     @property
     def decode_throughput(self) -> float:
@@ -44,7 +46,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.balancer = balancer  # sees every step's expert counts; rebalances if the layout asks
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, runner.num_ranks, runner.max_num_seqs)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, runner.num_ranks, runner.max_num_seqs,
+                                   config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, runner.max_num_seqs * runner.num_ranks,
                                    config.scheduler.max_prefill_tokens)
         self.stats = EngineStats()
@@ -79,11 +82,13 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> tuple[str, list[Sequence]]:
-        """Runs one prefill or decode step. Returns (kind, sequences that got a token)."""
+        """Runs one prefill or decode step. Returns (kind, sequences that got a token): a prefill
+        step whose chunks complete no prompt returns ("prefill", [])."""
         kind, seqs = self.scheduler.schedule()
         if kind == "idle":
             return kind, []
         t0 = time.perf_counter()
+        new_tokens = sum(s.num_new_tokens for s in seqs)
         if kind == "prefill":
             toks, lps = self.runner.prefill(seqs)
         else:
@@ -92,17 +97,24 @@ class LLMEngine:
         self.balancer.record()  # expert counts of this step; may rebalance between steps
         if kind == "prefill":
             self.stats.prefill_steps += 1
-            self.stats.prefill_tokens += sum(len(s) for s in seqs)
+            self.stats.prefill_tokens += new_tokens
             self.stats.prefill_time += dt
         else:
             self.stats.decode_steps += 1
             self.stats.decode_tokens += len(seqs)
             self.stats.decode_time += dt
-        for seq, tok, lp in zip(seqs, toks.tolist(), lps.tolist()):
-            self._append(seq, tok, lp)
+        self.stats.prefix_cache_queries = self.scheduler.prefix_cache_queries
+        self.stats.prefix_cache_hits = self.scheduler.prefix_cache_hits
+        for seq in seqs:
+            self.blocks.cache_computed(seq)  # full blocks become prefix-cache hits for later requests
+        # A chunk that leaves part of its prompt uncomputed samples nothing.
+        stepped = [s for s in seqs if kind == "decode" or s.prefill_done]
+        by_id = {s.seq_id: (t, lp) for s, t, lp in zip(seqs, toks.tolist(), lps.tolist())}
         if kind == "prefill":
-            self.scheduler.admitted(seqs)
-        return kind, seqs
+            self.scheduler.prefilled(stepped)
+        for seq in stepped:
+            self._append(seq, *by_id[seq.seq_id])
+        return kind, stepped
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         p = seq.params

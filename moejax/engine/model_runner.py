@@ -3,7 +3,7 @@
 Shapes are padded to buckets so the compiled programs are reused: the per-rank
 decode batch to a power of two (up to max_num_seqs) and the block-table width to
 a power of two of the longest live context; prefill batches to (batch, length)
-powers of two. Steady-state decoding therefore compiles nothing new. The cache
+powers of two (a chunked or prefix-cached prefill also by its block-table width). Steady-state decoding therefore compiles nothing new. The cache
 is donated to every step, so XLA updates it in place.
 
 Every per-step array has a leading rank axis [N, ...]. Without a mesh N = 1 and
@@ -75,6 +75,7 @@ class ModelRunner:
         self.trace_counts: collections.Counter[str] = collections.Counter()
         self.last_expert_counts = self.last_dispatched = None
         self._prefill = self._compile(self._prefill_rank, "prefill", with_cache=True)
+        self._prefill_paged = self._compile(self._prefill_paged_rank, "prefill_paged", with_cache=True)
         self._decode = self._compile(self._decode_rank, "decode", with_cache=True)
         self._score = self._compile(self._score_rank, "score", with_cache=False)
 
@@ -101,6 +102,17 @@ class ModelRunner:
                                                              method="prefill")
         last = h[jnp.arange(B), jnp.maximum(seq_lens - 1, 0)]
         toks, lps = sample(self.module.apply(v, last, method="logits"), *samp, positions=seq_lens)
+        return cache, toks, lps, counts, dispatched
+
+    def _prefill_paged_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots, block_tables,
+                            samp):
+        B = tokens.shape[0]
+        v = self._vars(params, routing)
+        (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, seq_lens, cache, slots,
+                                                             block_tables, ctx_lens, self.block_size,
+                                                             method="prefill")
+        last = h[jnp.arange(B), jnp.maximum(seq_lens - 1, 0)]
+        toks, lps = sample(self.module.apply(v, last, method="logits"), *samp, positions=ctx_lens)
         return cache, toks, lps, counts, dispatched
 
     def _decode_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens, samp):
@@ -167,25 +179,46 @@ class ModelRunner:
         return out
 
     def prefill(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
-        """Runs every token of each sequence, fills its cache, samples its next token."""
+        """Runs each sequence's scheduled chunk (``num_new_tokens`` from ``num_cached_tokens``),
+        writes its latents to the cache and samples a next token from its last position; the
+        token means something only for a sequence whose prompt the chunk completes.
+
+        A batch of whole prompts with nothing cached takes the one-shot program (each prompt
+        attends to its own latents); otherwise chunks attend to their context read from the
+        paged cache (a prefix-cache hit or earlier chunks): layers/prefill_attention.py."""
         ranks, per_rank = self._by_rank(seqs)
         N, B = self.num_ranks, next_pow2(per_rank)
-        S = min(next_pow2(max(len(s) for s in seqs), 16), next_pow2(self.max_model_len, 16))
+        S = next_pow2(max(s.num_new_tokens for s in seqs), 16)
+        paged = any(s.num_cached_tokens for s in seqs)
         tokens = np.zeros((N, B, S), np.int32)
-        lens = np.zeros((N, B), np.int32)
+        positions = np.zeros((N, B, S), np.int32)
+        lens, ctx = np.zeros((N, B), np.int32), np.zeros((N, B), np.int32)
         slots = np.full((N, B, S), self.num_slots, np.int32)  # out of range: dropped
+        nb = min(next_pow2(max(len(s.block_table) for s in seqs)), next_pow2(self.max_blocks_per_seq)) if paged else 1
+        tables = np.zeros((N, B, nb), np.int32)
         for r, rs in enumerate(ranks):
             for i, s in enumerate(rs):
-                n = len(s)
-                tokens[r, i, :n] = s.token_ids
-                lens[r, i] = n
-                slots[r, i, :n] = [self._slot(s, p) for p in range(n)]
-        self.cache, toks, lps, counts, dispatched = self._prefill(self.params, self.routing, self.cache, tokens, lens,
-                                                                  slots, self._sampling_arrays(ranks, B))
+                a, n = s.num_cached_tokens, s.num_new_tokens
+                if n < 1 or a + n > len(s):
+                    raise RuntimeError(f"bad prefill chunk [{a}, {a + n}) of a {len(s)}-token sequence")
+                tokens[r, i, :n] = s.token_ids[a:a + n]
+                positions[r, i, :n] = np.arange(a, a + n)
+                lens[r, i], ctx[r, i] = n, a + n
+                slots[r, i, :n] = [self._slot(s, p) for p in range(a, a + n)]
+                if paged:
+                    tables[r, i, :len(s.block_table)] = s.block_table
+        samp = self._sampling_arrays(ranks, B)
+        if paged:
+            self.cache, toks, lps, counts, dispatched = self._prefill_paged(
+                self.params, self.routing, self.cache, tokens, positions, lens, ctx, slots, tables, samp)
+        else:
+            self.cache, toks, lps, counts, dispatched = self._prefill(self.params, self.routing, self.cache, tokens,
+                                                                      lens, slots, samp)
         self._record(counts, dispatched)
         got = self._gather(ranks, toks, lps)
         for s in seqs:
-            s.num_cached_tokens = len(s)
+            s.num_cached_tokens += s.num_new_tokens
+            s.num_new_tokens = 0
         return np.array([got[s.seq_id][0] for s in seqs]), np.array([got[s.seq_id][1] for s in seqs])
 
     def decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:

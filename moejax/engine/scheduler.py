@@ -1,10 +1,20 @@
-"""Chooses each step: a prefill batch from the waiting queue, or a decode step over
-the running queue. Prefill and decode never share a batch.
+"""Chooses each step: a prefill batch (prompt chunks), or a decode step over the
+running queue. Prefill and decode never share a batch.
 
-Admission is bounded by free KV blocks; when a running sequence cannot get a
-block for its next token, the most recently admitted one is preempted (its
-blocks freed, the sequence put back at the front of the waiting queue with the
-tokens it has generated, to be recomputed), so nothing accepted is lost.
+Prefill steps are bounded by ``max_prefill_tokens``: a prompt longer than what is
+left of the budget is prefilled in chunks over several steps (each chunk attends to
+its own tokens and to the latents already in the paged cache). While a prompt is
+part-way through, each of its chunks is followed by one decode step of the running
+sequences, so a long prompt does not stall running streams for its whole prefill.
+New prompts wait for the next step rather than being cut when others are in the
+batch already; one alone is cut to the budget.
+
+Admission is bounded by free KV blocks (all of a prompt's blocks are taken at
+admission, sharing those of its longest cached prefix: block_manager.py). When a
+running sequence cannot get a block for its next token, the most recently admitted
+one is preempted (its blocks freed, the sequence put back at the front of the
+waiting queue with the tokens it has generated, to be recomputed), so nothing
+accepted is lost.
 """
 
 from __future__ import annotations
@@ -21,31 +31,28 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []  # admitted, prompt not yet wholly in the cache
+        self.running: list[Sequence] = []  # decoding
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's metric)
+        self.prefix_cache_hits = 0  # ... of which found there
+        self._decode_next = False  # a chunked prompt yields one step to the running streams
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def schedule(self) -> tuple[str, list[Sequence]]:
-        """Returns ("prefill", seqs), ("decode", seqs) or ("idle", [])."""
-        batch, tokens = [], 0
-        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if batch and tokens + len(seq) > self.max_prefill_tokens:
-                break
-            if not self.blocks.can_allocate(seq):
-                break
-            self.waiting.popleft()
-            self.blocks.allocate(seq)
-            seq.status = Status.RUNNING
-            batch.append(seq)
-            tokens += len(seq)
-        if batch:
-            return "prefill", batch
+        """Returns ("prefill", seqs), ("decode", seqs) or ("idle", []). A prefill
+        sequence's ``num_new_tokens`` is the chunk this step computes, from ``num_cached_tokens``."""
+        if not (self._decode_next and self.running):
+            batch = self._schedule_prefill()
+            if batch:
+                self._decode_next = any(s.num_cached_tokens + s.num_new_tokens < len(s) for s in batch)
+                return "prefill", batch
+        self._decode_next = False
 
         decode: list[Sequence] = []
         while self.running:
@@ -62,9 +69,39 @@ class Scheduler:
         self.running = decode
         return ("decode", list(decode)) if decode else ("idle", [])  # a copy: finishing edits running
 
-    def admitted(self, seqs: list[Sequence]) -> None:
-        """Prefilled sequences join the decode queue (unless they already finished)."""
-        self.running.extend(s for s in seqs if not s.is_finished)
+    def _schedule_prefill(self) -> list[Sequence]:
+        budget = self.max_prefill_tokens
+        batch: list[Sequence] = []
+        for seq in self.prefilling:  # prompts part-way through go first
+            if budget == 0:
+                break
+            seq.num_new_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+            budget -= seq.num_new_tokens
+            batch.append(seq)
+        while self.waiting and budget > 0 and \
+                len(self.running) + len(self.prefilling) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if batch and len(seq) > budget:  # the whole prompt, or wait for the next step
+                break
+            if not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            hit = self.blocks.allocate(seq)
+            self.prefix_cache_queries += len(seq)
+            self.prefix_cache_hits += hit
+            seq.status = Status.RUNNING
+            seq.num_new_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+            budget -= seq.num_new_tokens
+            self.prefilling.append(seq)
+            batch.append(seq)
+        return batch
+
+    def prefilled(self, done: list[Sequence]) -> None:
+        """After a prefill step, before their sampled tokens are appended: the sequences whose
+        prompt is now wholly cached join the decode queue; the rest continue next prefill step."""
+        ids = {s.seq_id for s in done}
+        self.prefilling = [s for s in self.prefilling if s.seq_id not in ids]
+        self.running.extend(done)
 
     def preempt(self, seq: Sequence) -> None:
         self.blocks.deallocate(seq)
@@ -78,6 +115,8 @@ class Scheduler:
         self.blocks.deallocate(seq)
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.waiting:

@@ -27,7 +27,9 @@ class Sequence:
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.dp_rank = 0  # the data-parallel rank (device) whose cache holds this sequence
-        self.num_cached_tokens = 0  # tokens whose latents are in the cache
+        self.num_cached_tokens = 0  # tokens whose latents are in the cache (a prefix-cache hit included)
+        self.num_new_tokens = 0  # tokens the scheduled prefill step computes (a chunk of the prompt)
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of the full blocks computed so far
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.text = ""
@@ -43,6 +45,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_cached_tokens >= len(self.token_ids)
 
     @property
     def is_finished(self) -> bool:

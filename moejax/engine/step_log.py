@@ -2,8 +2,8 @@
 never shares a step with decodes.
 
 Each entry records the step kind and, for every sequence that got a token, which
-queue it came from *before* the step: the waiting (prefill) queue or the running
-(decode) queue. A step is "pure" when every sequence of a prefill step came from
+queue it came from *before* the step: the waiting or prefilling queues (prompts not
+wholly in the cache yet) or the running (decode) queue. A step is "pure" when every sequence of a prefill step came from
 the waiting queue and every sequence of a decode step from the running queue.
 """
 
@@ -20,7 +20,7 @@ class StepRecord:
     seq_ids: tuple[int, ...]
     from_waiting: int  # of seq_ids, how many were in the waiting queue before the step
     from_running: int  # ... and how many in the running queue
-    num_tokens: int  # tokens computed: prompt(+recomputed) tokens for prefill, one per seq for decode
+    num_tokens: int  # tokens computed: prompt chunks (recomputed tokens included) for prefill, one per seq for decode
     duration: float
     time: float
 
@@ -39,14 +39,16 @@ class StepLog:
 
     def step(self, engine):
         """Runs engine.step() and records it. Returns what engine.step() returns."""
-        waiting = {s.seq_id for s in engine.scheduler.waiting}
-        running = {s.seq_id for s in engine.scheduler.running}
+        sch = engine.scheduler
+        waiting = {s.seq_id for s in [*sch.waiting, *sch.prefilling]}  # not yet decoding
+        running = {s.seq_id for s in sch.running}
+        prefilled = engine.stats.prefill_tokens
         t0 = time.perf_counter()
         kind, seqs = engine.step()
         dt = time.perf_counter() - t0
         if kind != "idle":
             ids = tuple(s.seq_id for s in seqs)
-            ntok = sum(len(s) - 1 for s in seqs) if kind == "prefill" else len(seqs)
+            ntok = engine.stats.prefill_tokens - prefilled if kind == "prefill" else len(seqs)
             rec = StepRecord(kind, ids, sum(i in waiting for i in ids), sum(i in running for i in ids),
                              ntok, dt, time.time())
             if not rec.is_pure:
