@@ -299,14 +299,16 @@ class ServerThread:
     thread (tests, sweeps). ``exit_code`` is what the server's run returned once it ended."""
 
     def __init__(self, model=None, host: str = "127.0.0.1", port: int | None = None, model_name: str | None = None,
-                 app: web.Application | None = None, shutdown_timeout: float = 5.0):
+                 app: web.Application | None = None, shutdown_timeout: float = 5.0,
+                 exit_on_engine_death: bool = False):
         """Serves `model`, or a ready-made `app` (from build_app / make_app)."""
         from moejax.server.lifecycle import Server
         self.host, self.port = host, port or free_port(host)
         if app is None:
             app, _ = make_app(model, model_name, policy=AccessPolicy(bind_host=host))
         self.app, self.aengine = app, app[ENGINE_KEY]
-        self.server = Server(app, self.host, self.port, shutdown_timeout=shutdown_timeout)
+        self.server = Server(app, self.host, self.port, shutdown_timeout=shutdown_timeout,
+                             exit_on_engine_death=exit_on_engine_death)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="moejax-http", daemon=True)
         self.exit_code: int | None = None

@@ -24,12 +24,15 @@ ENGINE_POLL_S = 0.2
 
 
 class Server:
-    def __init__(self, app: web.Application, host: str, port: int, shutdown_timeout: float = 30.0):
+    def __init__(self, app: web.Application, host: str, port: int, shutdown_timeout: float = 30.0,
+                 exit_on_engine_death: bool = True):
+        """exit_on_engine_death=False keeps serving 503s after the engine died (embedded servers, tests)."""
         from moejax.server.app import ENGINE_KEY, STATE_KEY
         if not shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout!r}")
         self.app, self.host, self.port, self.shutdown_timeout = app, host, port, shutdown_timeout
         self.aengine, self.state = app[ENGINE_KEY], app[STATE_KEY]
+        self.exit_on_engine_death = exit_on_engine_death
         self.ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -37,7 +40,7 @@ class Server:
 
     def request_stop(self) -> None:
         """Thread-safe: begins the graceful shutdown (what SIGTERM does)."""
-        if self._loop is not None and self._stop is not None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop.set)
 
     async def _engine_dead(self) -> None:
@@ -62,7 +65,7 @@ class Server:
         await site.start()
         self.ready.set()
         stop_task = asyncio.ensure_future(self._stop.wait())
-        dead_task = asyncio.ensure_future(self._engine_dead())
+        dead_task = asyncio.ensure_future(self._engine_dead() if self.exit_on_engine_death else asyncio.Event().wait())
         try:
             await asyncio.wait({stop_task, dead_task}, return_when=asyncio.FIRST_COMPLETED)
             code = 0 if stop_task.done() else 1
