@@ -16,6 +16,7 @@ from moejax.engine.model_runner import ModelRunner
 from jax.sharding import NamedSharding
 
 from moejax.eplb.balancer import ExpertLoadBalancer, initial_placements, routing_tree
+from moejax.json_file import load_json_file
 from moejax.kernel_selection import KernelScopedModule
 from moejax.layers.fp8_policy import Fp8Policy
 from moejax.models.registry import abstract_params, build_module, parse_model_config
@@ -132,8 +133,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"{path} has no config.json")
-    with open(cfg_path) as f:
-        hf_config = json.load(f)
+    hf_config = load_json_file(cfg_path, "config.json")
     config = EngineConfig.create(parse_model_config(hf_config), dtype=dtype, parallel=parallel,
                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=block_size,
                                  num_kv_blocks=num_kv_blocks, max_prefill_tokens=max_prefill_tokens,
@@ -143,8 +143,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     placer = ParamPlacer(config)
     marker = os.path.join(path, MARKER)
     if os.path.exists(marker):
-        with open(marker) as f:
-            saved = json.load(f)
+        saved = load_json_file(marker, "moejax save marker")
         saved_fp8 = Fp8Policy.create(saved.get("fp8_layers", []), (128, 128), config.fp8.variant)
         if saved_fp8.kinds != config.fp8.kinds:
             raise ValueError(f"{path} was saved with FP8 layers {sorted(saved_fp8.kinds)}; load it with the same "

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
+
+from moejax.json_file import load_json_file
 
 
 def _token_text(tok):
@@ -20,24 +21,36 @@ class Tokenizer:
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.exists(path):
             raise ValueError(f"{directory} has no tokenizer.json")
-        self._tok = _HFTokenizer.from_file(path)
+        try:
+            self._tok = _HFTokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own Exception type
+            raise ValueError(f"tokenizer.json {path} is corrupt: {str(e)[:200]}") from None
         cfg_path = os.path.join(directory, "tokenizer_config.json")
         cfg = {}
         if os.path.exists(cfg_path):
-            with open(cfg_path) as f:
-                cfg = json.load(f)
+            cfg = load_json_file(cfg_path, "tokenizer_config.json")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.chat_template = cfg.get("chat_template")
+        self._max_token_chars = None
         if isinstance(self.chat_template, list):  # named templates: use "default"
             self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"), None)
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its longest vocabulary string: byte-level
+        and byte-fallback strings are at least as long as the text they cover). A text of more than
+        max_model_len * max_token_chars characters is surely too long, before any tokenising."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids

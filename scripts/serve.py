@@ -47,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens of one prefill step; longer prompts are prefilled in chunks")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV blocks of a prompt's longest cached prefix (vLLM's automatic prefix caching)")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds SIGTERM/SIGINT lets requests in flight finish before aborting them (exit 0)")
+    ap.add_argument("--api-key", default=os.environ.get("MOEJAX_API_KEY"),
+                    help="require 'Authorization: Bearer <key>' on /v1/* (default: $MOEJAX_API_KEY; none: open)")
+    ap.add_argument("--allowed-origins", default="",
+                    help="comma list of browser origins allowed by CORS (e.g. http://localhost:3000, or *); "
+                         "default none: cross-origin requests are refused")
+    ap.add_argument("--max-request-mb", type=float, default=32.0, help="request bodies above this get 413")
     return ap
 
 
@@ -58,13 +66,15 @@ def build_load_kwargs(a: argparse.Namespace) -> dict:
                 fp8_layers=a.fp8_layers, fp8_variant=a.fp8_variant, enable_prefix_caching=a.enable_prefix_caching)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
 
-    import moejax
-    from aiohttp import web
+    import asyncio
 
+    import moejax
+    from moejax.server.access import AccessPolicy
     from moejax.server.app import make_app
+    from moejax.server.lifecycle import Server
 
     kw = build_load_kwargs(a)
     path, name = a.model, a.served_model_name
@@ -75,11 +85,14 @@ def main(argv=None):
         print(f"No --model given: serving the embedded tiny DeepSeek-V3-architecture model with RANDOM weights "
               f"({path}) as {name!r}; its output is gibberish.", flush=True)
     model = moejax.load(path, **kw)
-    app, aengine = make_app(model, name or a.model, extra_names=(a.model,) if a.model else ())
+    origins = tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip())
+    policy = AccessPolicy(api_key=a.api_key or None, allowed_origins=origins, bind_host=a.host)
+    app, aengine = make_app(model, name or a.model, extra_names=(a.model,) if a.model else (), policy=policy,
+                            max_body_bytes=int(a.max_request_mb * (1 << 20)))
     print(f"Serving {name or a.model} on http://{a.host}:{a.port}  (max_model_len={model.max_model_len}, "
           f"KV blocks={model.engine.blocks.num_blocks} x {model.block_size})", flush=True)
-    web.run_app(app, host=a.host, port=a.port, access_log=None, print=None)
+    return asyncio.run(Server(app, a.host, a.port, shutdown_timeout=a.shutdown_timeout).run())
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -126,7 +126,7 @@ def test_preemption_loses_nothing(tiny_path):
     prompts = _prompts(6, rng, 10, 30)
     big = _load(tiny_path)
     want = [r.token_ids for r in moejax.generate(big, prompts, max_new_tokens=40, ignore_eos=True)]
-    small = _load(tiny_path, block_size=8, num_kv_blocks=16)  # 128 slots for ~6 x 60 tokens
+    small = _load(tiny_path, block_size=8, num_kv_blocks=16, max_model_len=128)  # 128 slots for ~6 x 60 tokens
     got = [r.token_ids for r in moejax.generate(small, prompts, max_new_tokens=40, ignore_eos=True)]
     assert small.engine.scheduler.num_preemptions > 0
     assert got == want

@@ -87,7 +87,7 @@ def test_completion_greedy_matches_generate(client, ref):
     model: same text, token ids and logprobs (1e-4); usage counts the tokenizer's prompt length."""
     prompt = "The capital of France is"
     want = moejax.generate(ref, [prompt], max_new_tokens=12, ignore_eos=True, logprobs=True)[0]
-    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
                                   extra_body={"ignore_eos": True, "return_token_ids": True})
     ch = r.choices[0]
     assert ch.text == want.text and ch.finish_reason == "length"

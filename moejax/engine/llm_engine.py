@@ -38,6 +38,16 @@ class EngineStats:
         return self.decode_tokens / self.decode_time if self.decode_time else 0.0
 
 
+def check_cache_capacity(max_model_len: int, num_blocks: int, block_size: int) -> None:
+    """Refuses an engine whose one sequence of max_model_len tokens cannot fit in a rank's KV cache (a
+    sequence lives on one rank): it would be preempted and recomputed forever once it grew that long."""
+    capacity = num_blocks * block_size
+    if max_model_len > capacity:
+        raise ValueError(f"max_model_len {max_model_len} is larger than the KV cache holds ({capacity} tokens: "
+                         f"{num_blocks} blocks x {block_size} per rank); lower max_model_len (--max-model-len) "
+                         f"or raise num_kv_blocks (--num-kv-blocks) to at least {-(-max_model_len // block_size)}")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer, eos_token_ids: tuple[int, ...],
                  balancer: ExpertLoadBalancer):
@@ -46,6 +56,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.balancer = balancer  # sees every step's expert counts; rebalances if the layout asks
+        check_cache_capacity(runner.max_model_len, runner.num_blocks, runner.block_size)
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, runner.num_ranks, runner.max_num_seqs,
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, runner.max_num_seqs * runner.num_ranks,

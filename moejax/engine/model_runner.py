@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 
 from moejax.config import EngineConfig
 from moejax.engine.sequence import Sequence
-from moejax.layers.kv_quant import cache_row_dim, cache_storage_dtype, stored_row_dim
+from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
 from moejax.layers.sampler import sample
 from moejax.parallel.sharding import RANK, REPLICATED, param_specs
 
@@ -36,7 +36,7 @@ def default_num_blocks(config: EngineConfig) -> int:
     """KV blocks per rank: all of max_num_seqs at max_model_len, capped by free device memory."""
     cfg, cache, sched = config.model, config.cache, config.scheduler
     row_bytes = (cache_row_dim(cfg.kv_cache_dim, cache.kv_cache_dtype)
-                 * cache_storage_dtype(cache.kv_cache_dtype, config.dtype).itemsize)
+                 * cache_array_dtype(cache.kv_cache_dtype, config.dtype, config.kernels).itemsize)
     per_block = cfg.num_hidden_layers * cache.block_size * row_bytes
     per_seq = -(-sched.max_model_len // cache.block_size)
     want = sched.max_num_seqs * per_seq
@@ -64,7 +64,7 @@ class ModelRunner:
         self.max_model_len, self.max_num_seqs = config.scheduler.max_model_len, config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.num_slots = self.num_blocks * self.block_size
-        kv_dtype = cache_storage_dtype(config.cache.kv_cache_dtype, config.dtype)
+        kv_dtype = cache_array_dtype(config.cache.kv_cache_dtype, config.dtype, config.kernels)
         # FP8 rows carry their scale (layers/kv_quant.py).
         shape = (self.num_ranks, cfg.num_hidden_layers, self.num_slots, stored_row_dim(cfg.kv_cache_dim, kv_dtype))
         if mesh is None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+
+INT32_MAX = 2**31 - 1  # top_k and token ids become int32 arrays of the compiled step
 
 
 @dataclasses.dataclass
@@ -22,15 +25,15 @@ class SamplingParams:
             ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
             if not ok_type or isinstance(v, bool):
                 raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}")
-            if v < lo or (hi is not None and v > hi):
+            if not math.isfinite(v) or v < lo or (hi is not None and v > hi):
                 raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v!r}")
 
-        check_num("max_new_tokens", self.max_new_tokens, 1, integer=True)
+        check_num("max_new_tokens", self.max_new_tokens, 1, INT32_MAX, integer=True)
         check_num("temperature", self.temperature, 0.0, 100.0)
         check_num("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0:
             raise ValueError("top_p must be in (0, 1], got 0")
-        check_num("top_k", self.top_k, -1, integer=True)
+        check_num("top_k", self.top_k, -1, INT32_MAX, integer=True)
         if self.top_k == -1:
             self.top_k = 0
         if self.seed is not None:
@@ -42,8 +45,9 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop = list(self.stop)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of integers in [0, {INT32_MAX}], "
+                             f"got {self.stop_token_ids!r}"[:300])
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if not isinstance(self.logprobs, bool):

@@ -12,14 +12,21 @@ import jax
 import jax.numpy as jnp
 
 from moejax import kernel_selection
-from moejax.layers.kv_quant import dequantize_rows, encode_rows, is_fp8_cache
+from moejax.layers.kv_quant import as_model_dtype, dequantize_rows, encode_rows, is_fp8_cache
 from moejax.layers.linear import einsum_f32
 
 
 def write_cache(cache, layer: int, slots, values):
     """cache [L, num_slots, D]; slots out of range (padding) are dropped. An FP8 cache stores
     quantised rows with their scale (moejax/layers/kv_quant.py)."""
-    return cache.at[layer, slots].set(encode_rows(cache, values), mode="drop")
+    rows = encode_rows(cache, values)
+    if slots.shape[0] == 1:
+        # One row would become a dynamic-update-slice, which XLA:CPU fuses with the step's reshape of
+        # the cache to [1, ...] into a copy of the whole cache every step; a second (dropped) row keeps
+        # it an in-place scatter.
+        slots = jnp.concatenate([slots, jnp.full((1,), cache.shape[1], slots.dtype)])
+        rows = jnp.concatenate([rows, rows])
+    return cache.at[layer, slots].set(rows, mode="drop")
 
 
 def gather_sequence_slots(block_tables, block_size: int):
@@ -44,6 +51,7 @@ def mla_decode_attention(q_latent, q_rope, cache_layer, block_tables, seq_lens, 
     kv = cache_layer[gather_sequence_slots(block_tables, block_size)]  # [B, T, C+R]
     if is_fp8_cache(kv):
         kv = dequantize_rows(kv, C + q_rope.shape[-1]).astype(q_latent.dtype)
+    kv = as_model_dtype(kv, q_latent.dtype)
     latent, k_rope = kv[..., :C], kv[..., C:]
     s = einsum_f32("bhc,btc->bht", q_latent.astype(kv.dtype), latent)
     s = s + einsum_f32("bhr,btr->bht", q_rope.astype(kv.dtype), k_rope)
@@ -72,6 +80,7 @@ def mfa_decode_attention(q, cache_layer, block_tables, seq_lens, block_size: int
     kv = cache_layer[gather_sequence_slots(block_tables, block_size)]  # [B, T, 2*G*D]: the only cache read
     if is_fp8_cache(kv):
         kv = dequantize_rows(kv, 2 * G * D).astype(q.dtype)
+    kv = as_model_dtype(kv, q.dtype)
     T = kv.shape[1]
     k = kv[..., :G * D].reshape(B, T, G, D)
     v = kv[..., G * D:].reshape(B, T, G, D)

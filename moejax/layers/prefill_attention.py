@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax import kernel_selection
-from moejax.layers.kv_quant import dequantize_rows, is_fp8_cache
+from moejax.layers.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
 from moejax.layers.linear import einsum_f32
 from pallas_kernels.flash_prefill_attention import flash_prefill_attention
 
@@ -173,7 +173,10 @@ def paged_prefill_attention(q, cache, block_tables, seq_lens, ctx_lens, block_si
         pg = jax.lax.dynamic_slice_in_dim(tables, s * pages, pages, axis=1)  # [B, pages]
         slots = (pg[:, :, None] * block_size + offs).reshape(B, seg)
         rows = cache[slots] if layer is None else cache[layer, slots]  # [B, seg, D']: the only cache read
-        rows = dequantize_rows(rows, row_dim).astype(q.dtype) if fp8 else rows[..., :row_dim]
+        if fp8:
+            rows = dequantize_rows(rows, row_dim).astype(q.dtype)
+        else:
+            rows = as_model_dtype(rows[..., :row_dim], q.dtype)
         kv, k_rope = expand(rows)
         o, lse = prefill_attention(q, kv, seq_lens, ctx_lens, s * seg, scale=scale, q_rope=q_rope, k_rope=k_rope,
                                    v_offset=v_offset, v_dim=v_dim, out_dtype=jnp.float32, return_lse=True,

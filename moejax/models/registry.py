@@ -6,13 +6,13 @@ A new family is one module in moejax/models/ ending in ``FAMILY = ModelFamily(..
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from moejax.json_file import load_json_file
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.models import deepseek, step3
 from moejax.models.family import ModelFamily
@@ -52,8 +52,7 @@ def load_model_config(path: str):
         path = os.path.join(path, "config.json")
     if not os.path.exists(path):
         raise ValueError(f"{os.path.dirname(path) or path} has no config.json")
-    with open(path) as f:
-        return parse_model_config(json.load(f))
+    return parse_model_config(load_json_file(path, "config.json"))
 
 
 def build_module(cfg: Any, dtype: str, ep: ExpertParallel = ExpertParallel(), fp8: Fp8Policy = NO_FP8):

@@ -4,13 +4,22 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both streaming over SSE
 with stream_options.include_usage), GET /v1/models, GET /health (503 once the
 engine thread died), GET /metrics (Prometheus text, vLLM metric names).
 Every error is an OpenAI-style JSON body; no request can take the server down.
-A streaming client that disconnects has its sequence aborted (KV blocks freed).
+A streaming client that disconnects has its sequence aborted (KV blocks freed);
+a stream that fails (its engine step raised, the engine died, shutdown) gets an
+error event, then ``data: [DONE]``.
+
+Request bodies are validated and tokenised in a worker thread (access.py and
+protocol.py), so a large prompt never freezes the event loop; access checks
+(API key, Host, CORS, Content-Type) are in access.py, start/drain/exit in lifecycle.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import json
+import os
 import socket
 import threading
 import time
@@ -20,12 +29,30 @@ from aiohttp import web
 
 import moejax
 from moejax.server import protocol
-from moejax.server.async_engine import AsyncEngine, EngineDeadError
+from moejax.server.access import AccessPolicy, access_middleware, add_cors_headers
+from moejax.server.async_engine import AsyncEngine, EngineDeadError, TokenEvent
+from moejax.server.metrics import CONTENT_TYPE
 from moejax.server.protocol import APIError
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 CTX_KEY = web.AppKey("ctx", protocol.ServingContext)
+STATE_KEY = web.AppKey("state", object)
 POLL_S = 0.5  # how often a waiting handler checks for a gone client / dead engine
+MAX_BODY_BYTES = 32 << 20  # 413 above this
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the lifecycle (lifecycle.py) needs from the app: the requests in flight, and draining."""
+    pool: concurrent.futures.ThreadPoolExecutor
+    inflight: set = dataclasses.field(default_factory=set)  # RequestStreams being served
+    draining: bool = False
+
+    def fail_inflight(self, message: str, status: int = 503) -> None:
+        """Ends every request in flight with an error event (event-loop side); frees their sequences."""
+        for stream in list(self.inflight):
+            stream.queue.put_nowait(TokenEvent(error=message, status=status))
+            stream.owner.abort(stream)
 
 
 def _json_error(e: APIError) -> web.Response:
@@ -42,21 +69,15 @@ async def error_middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         typ = "invalid_request_error" if e.status < 500 else "internal_server_error"
-        return web.json_response(protocol.error_body(e.reason, typ, None, e.status), status=e.status)
+        headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "www-authenticate")}
+        return web.json_response(protocol.error_body(e.reason, typ, None, e.status), status=e.status,
+                                 headers=headers)
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception as e:  # noqa: BLE001 - the server never dies from a request
         traceback.print_exc()
-        return web.json_response(protocol.error_body(f"internal error: {type(e).__name__}: {e}",
+        return web.json_response(protocol.error_body(f"internal error: {type(e).__name__}: {e}"[:500],
                                                      "internal_server_error", None, 500), status=500)
-
-
-async def _read_json(request: web.Request):
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(f"malformed JSON body: {e}") from None
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -73,15 +94,32 @@ async def _submit(aengine: AsyncEngine, req: protocol.ParsedRequest):
         raise APIError(f"the engine is not running: {e}", status=503, type_="internal_server_error") from None
 
 
+def _error_type(status: int) -> str:
+    return "invalid_request_error" if status < 500 else "internal_server_error"
+
+
+async def _parse(request: web.Request, chat: bool) -> protocol.ParsedRequest:
+    """Reads the body (413 above the app's client_max_size), then validates and tokenises it in the
+    worker pool: the event loop keeps serving every other stream meanwhile."""
+    state = request.app[STATE_KEY]
+    if state.draining:
+        raise APIError("the server is shutting down", 503, type_="internal_server_error")
+    raw = await request.read()
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.pool, protocol.parse_request, raw, request.app[CTX_KEY], chat)
+
+
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
-    aengine, ctx = request.app[ENGINE_KEY], request.app[CTX_KEY]
-    req = protocol.parse_request(await _read_json(request), ctx, chat)
+    aengine, ctx, state = request.app[ENGINE_KEY], request.app[CTX_KEY], request.app[STATE_KEY]
+    req = await _parse(request, chat)
     stream = await _submit(aengine, req)
+    state.inflight.add(stream)
     try:
         if req.stream:
             return await _stream(request, req, stream, aengine, ctx)
         return await _full(request, req, stream, aengine, ctx)
     finally:
+        state.inflight.discard(stream)
         if not stream.finished:
             stream.abort()  # the client went away (or the handler failed): free the sequence
 
@@ -97,7 +135,7 @@ async def _full(request, req, stream, aengine, ctx) -> web.Response:
                 raise APIError(f"the engine died: {aengine.error}", 503, type_="internal_server_error")
             continue
         if ev.error is not None:
-            raise APIError(f"the engine died: {ev.error}", 503, type_="internal_server_error")
+            raise APIError(ev.error, ev.status, type_=_error_type(ev.status))
         if ev.token_id is not None:
             ids.append(ev.token_id)
             lps.append(ev.logprob)
@@ -123,6 +161,13 @@ async def _stream(request, req, stream, aengine, ctx) -> web.StreamResponse:
     return resp
 
 
+async def _end_with_error(resp, message: str, status: int) -> None:
+    """A failed stream: an OpenAI error object as its last event, then [DONE] (clients stop cleanly)."""
+    await resp.write(_sse(protocol.error_body(message, _error_type(status), None, status)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+
+
 async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
     rid, created = protocol.new_id(req.chat), int(time.time())
     detok = protocol.IncrementalText(ctx.tokenizer, req.params.stop)
@@ -136,14 +181,10 @@ async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
             if _client_gone(request):
                 return  # the finally of _generate aborts it
             if not aengine.is_alive:
-                await resp.write(_sse(protocol.error_body(f"the engine died: {aengine.error}",
-                                                          "internal_server_error", None, 503)))
-                return
+                return await _end_with_error(resp, f"the engine died: {aengine.error}", 503)
             continue
         if ev.error is not None:
-            await resp.write(_sse(protocol.error_body(f"the engine died: {ev.error}", "internal_server_error",
-                                                      None, 503)))
-            return
+            return await _end_with_error(resp, ev.error, ev.status)
         events = [ev]  # take whatever else is queued too: one chunk for all of it (adapts to a slow client)
         while ev.finish_reason is None and ev.error is None:
             nxt = stream.get_nowait()
@@ -151,8 +192,10 @@ async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
                 break
             ev = nxt
             events.append(ev)
-        if ev.error is not None or ev.finish_reason == "abort":
-            return
+        if ev.error is not None:
+            return await _end_with_error(resp, ev.error, ev.status)
+        if ev.finish_reason == "abort":
+            return await _end_with_error(resp, "the request was aborted", 500)
         offset = len(detok.sent)
         ids = [e.token_id for e in events if e.token_id is not None]
         lps = [e.logprob for e in events if e.token_id is not None]
@@ -169,7 +212,6 @@ async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
         await resp.write(_sse(protocol.usage_chunk(req, rid, created, n_out)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
-    return
 
 
 async def completions(request: web.Request):
@@ -189,6 +231,9 @@ async def models(request: web.Request):
 
 async def health(request: web.Request):
     aengine = request.app[ENGINE_KEY]
+    if request.app[STATE_KEY].draining:
+        return web.json_response(protocol.error_body("the server is shutting down", "internal_server_error", None,
+                                                     503), status=503)
     if aengine.is_alive:
         return web.Response(status=200)
     return web.json_response(protocol.error_body(f"the engine is dead: {aengine.error}", "internal_server_error",
@@ -196,34 +241,45 @@ async def health(request: web.Request):
 
 
 async def metrics(request: web.Request):
-    return web.Response(text=request.app[ENGINE_KEY].metrics.render(),
-                        content_type="text/plain", charset="utf-8",
-                        headers={"X-Prometheus-Version": "0.0.4"})
+    return web.Response(body=request.app[ENGINE_KEY].metrics.render().encode(),
+                        headers={"Content-Type": CONTENT_TYPE})
 
 
 async def version(request: web.Request):
     return web.json_response({"version": moejax.__version__})
 
 
-def build_app(aengine: AsyncEngine, ctx: protocol.ServingContext) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
-    app[ENGINE_KEY], app[CTX_KEY] = aengine, ctx
+def build_app(aengine: AsyncEngine, ctx: protocol.ServingContext, policy: AccessPolicy | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+    """The routes over a started AsyncEngine; ``policy``: API key, allowed origins, bound host (access.py)."""
+    policy = policy or AccessPolicy()
+    app = web.Application(middlewares=[error_middleware, access_middleware(policy)], client_max_size=max_body_bytes)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                                 thread_name_prefix="moejax-parse")
+    app[ENGINE_KEY], app[CTX_KEY], app[STATE_KEY] = aengine, ctx, ServerState(pool)
+    app.on_response_prepare.append(add_cors_headers(policy))
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
+
+    async def _close_pool(_app):
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(_close_pool)
     return app
 
 
-def make_app(model, model_name: str | None = None, extra_names=()) -> tuple[web.Application, AsyncEngine]:
+def make_app(model, model_name: str | None = None, extra_names=(), policy: AccessPolicy | None = None,
+             max_body_bytes: int = MAX_BODY_BYTES) -> tuple[web.Application, AsyncEngine]:
     """The app and its (started) AsyncEngine for a loaded moejax Model."""
     name = model_name or model.source_dir
     names = tuple(dict.fromkeys([name, *extra_names, model.source_dir]))
     aengine = AsyncEngine(model.engine, name).start()
     ctx = protocol.ServingContext(names, model.tokenizer, model.max_model_len, model.config.model.vocab_size)
-    app = build_app(aengine, ctx)
+    app = build_app(aengine, ctx, policy, max_body_bytes)
 
     async def _cleanup(_app):
         aengine.shutdown()
@@ -239,19 +295,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerThread:
-    """Runs the server on its own event loop in a background thread (tests, sweeps)."""
+    """Runs the server (lifecycle.Server: graceful drain on stop) on its own event loop in a background
+    thread (tests, sweeps). ``exit_code`` is what the server's run returned once it ended."""
 
     def __init__(self, model=None, host: str = "127.0.0.1", port: int | None = None, model_name: str | None = None,
-                 app: web.Application | None = None):
+                 app: web.Application | None = None, shutdown_timeout: float = 5.0,
+                 exit_on_engine_death: bool = False):
         """Serves `model`, or a ready-made `app` (from build_app / make_app)."""
+        from moejax.server.lifecycle import Server
         self.host, self.port = host, port or free_port(host)
         if app is None:
-            app, _ = make_app(model, model_name)
+            app, _ = make_app(model, model_name, policy=AccessPolicy(bind_host=host))
         self.app, self.aengine = app, app[ENGINE_KEY]
+        self.server = Server(app, self.host, self.port, shutdown_timeout=shutdown_timeout,
+                             exit_on_engine_death=exit_on_engine_death)
         self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moejax-http", daemon=True)
-        self._runner = None
+        self.exit_code: int | None = None
 
     @property
     def url(self) -> str:
@@ -259,21 +319,18 @@ class ServerThread:
 
     def _run(self):
         asyncio.set_event_loop(self.loop)
-        self._runner = web.AppRunner(self.app, access_log=None)
-        self.loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, self.host, self.port)
-        self.loop.run_until_complete(site.start())
-        self._ready.set()
-        self.loop.run_forever()
-        self.loop.run_until_complete(self._runner.cleanup())
-        self.loop.close()
+        try:
+            self.exit_code = self.loop.run_until_complete(self.server.run(handle_signals=False))
+        finally:
+            self.loop.close()
 
     def start(self) -> ServerThread:
         self._thread.start()
-        if not self._ready.wait(60):
+        if not self.server.ready.wait(60):
             raise RuntimeError("server did not start")
         return self
 
-    def stop(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(30)
+    def stop(self, timeout: float = 60):
+        """Graceful stop (drain, then abort what is left after the shutdown timeout); waits for the end."""
+        self.server.request_stop()
+        self._thread.join(timeout)

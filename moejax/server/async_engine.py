@@ -6,8 +6,16 @@ requests and aborts through a thread-safe inbox; the engine thread adds them,
 runs ``engine.step()`` in a loop (through a StepLog that records every step's
 kind and where its sequences came from) and hands each new token to its
 request's asyncio queue with ``loop.call_soon_threadsafe`` (one callback per
-step). Any exception in the loop marks the engine dead: every open stream gets
-an error event and /health answers 503 from then on.
+step).
+
+Faults: an exception in a step fails only the requests of that step (those whose
+sequences hold KV blocks: the batch being run), each with an error event (500);
+the engine goes on with the others. It is declared dead (every open stream gets a
+503 error event, /health answers 503, and the server process exits non-zero: see
+lifecycle.py) when a step fails with no request to blame, when steps fail
+MAX_CONSECUTIVE_FAILURES times in a row, or on anything that is not an Exception.
+A request preempted more than MAX_PREEMPTIONS times is finished with an error
+rather than recomputed forever.
 """
 
 from __future__ import annotations
@@ -20,8 +28,13 @@ import time
 import traceback
 
 from moejax.engine.sampling_params import SamplingParams
+from moejax.engine.sequence import Status
 from moejax.engine.step_log import StepLog
 from moejax.server.metrics import Metrics
+
+
+MAX_CONSECUTIVE_FAILURES = 3
+MAX_PREEMPTIONS = 32
 
 
 class EngineDeadError(RuntimeError):
@@ -34,7 +47,8 @@ class TokenEvent:
     logprob: float | None = None
     finish_reason: str | None = None  # set on the last event of a request
     text: str | None = None  # final text (stop strings cut) on the last event
-    error: str | None = None  # the engine died
+    error: str | None = None  # the request failed (its step raised, or the engine died, or shutdown)
+    status: int = 500  # the HTTP status of that error
 
 
 class RequestStream:
@@ -98,6 +112,8 @@ class AsyncEngine:
         self._streams: dict[int, RequestStream] = {}  # seq_id -> stream (engine thread only)
         self._stop = threading.Event()
         self.error: str | None = None
+        self._failures = 0  # consecutive failed steps
+        self._seen_preemptions = 0
         self._thread = threading.Thread(target=self._run, name="moejax-engine", daemon=True)
 
     # ----- event-loop side ---------------------------------------------------------
@@ -171,7 +187,12 @@ class AsyncEngine:
                 self._drain(block=not self.engine.has_unfinished())
                 if not self.engine.has_unfinished():
                     continue
-                kind, seqs = self.step_log.step(self.engine)
+                try:
+                    kind, seqs = self.step_log.step(self.engine)
+                except Exception as e:  # noqa: BLE001 - fail the step's requests; fatal ones re-raise
+                    self._step_failed(e)
+                    continue
+                self._failures = 0
                 now = time.perf_counter()
                 out: dict[object, list] = {}
                 for seq in seqs:
@@ -193,20 +214,60 @@ class AsyncEngine:
                         self.metrics.on_finish(seq.finish_reason, now - stream.arrival,
                                                stream.first_token_time - stream.arrival, seq.num_output_tokens)
                     out.setdefault(stream.loop, []).append((stream, ev))
+                self._bound_preemptions(out)
                 self.metrics.snapshot(self.engine, self.step_log.mixed_steps)
                 for loop, items in out.items():
                     loop.call_soon_threadsafe(_deliver, items)
-        except BaseException as e:  # noqa: BLE001 - anything kills the engine; report it
+        except BaseException as e:  # noqa: BLE001 - anything else kills the engine; report it
             self.error = f"{type(e).__name__}: {e}"
             traceback.print_exc()
             self._fail_all()
         finally:
             self.metrics.engine_alive = 0
 
+    def _fail_stream(self, stream: RequestStream, message: str, out: dict) -> None:
+        """Finishes one request with an error event (engine thread)."""
+        if stream.seq is not None:
+            self.engine.abort(stream.seq)
+            self._streams.pop(stream.seq.seq_id, None)
+        self.metrics.on_error()
+        out.setdefault(stream.loop, []).append((stream, TokenEvent(error=message, status=500)))
+
+    def _step_failed(self, e: Exception) -> None:
+        """A step raised: its requests (those holding KV blocks) fail, the others go on. Re-raises when
+        there is no request to blame or steps keep failing: the engine is then dead."""
+        self._failures += 1
+        victims = [st for st in self._streams.values() if st.seq is not None and st.seq.status == Status.RUNNING]
+        if not victims or self._failures >= MAX_CONSECUTIVE_FAILURES:
+            raise e
+        traceback.print_exc()
+        msg = f"the engine failed on this request's step: {type(e).__name__}: {e}"[:500]
+        out: dict[object, list] = {}
+        for st in victims:
+            self._fail_stream(st, msg, out)
+        self.metrics.snapshot(self.engine, self.step_log.mixed_steps)
+        for loop, items in out.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+    def _bound_preemptions(self, out: dict) -> None:
+        """Finishes with an error any request preempted more than MAX_PREEMPTIONS times (a cache too
+        small for the load would otherwise recompute it forever)."""
+        sched = getattr(self.engine, "scheduler", None)
+        n = getattr(sched, "num_preemptions", 0)
+        if n == self._seen_preemptions:
+            return
+        self._seen_preemptions = n
+        for seq in [s for s in sched.waiting if s.num_preemptions > MAX_PREEMPTIONS]:
+            stream = self._streams.get(seq.seq_id)
+            if stream is not None:
+                self._fail_stream(stream, f"the request was preempted {seq.num_preemptions} times: the KV cache "
+                                          "is too small for this load (raise --num-kv-blocks)", out)
+
     def _fail_all(self) -> None:
         by_loop: dict[object, list] = {}
         for stream in self._streams.values():
-            by_loop.setdefault(stream.loop, []).append((stream, TokenEvent(error=self.error)))
+            by_loop.setdefault(stream.loop, []).append((stream, TokenEvent(error=f"the engine died: {self.error}",
+                                                                           status=503)))
         self._streams.clear()
         for loop, items in by_loop.items():
             try:

@@ -4,10 +4,16 @@ stream-chunk builders, OpenAI-style errors, and incremental detokenization."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 
+from pydantic import ValidationError
+
 from moejax.engine.sampling_params import SamplingParams
+from moejax.server import schemas
+
+log = logging.getLogger("moejax.server")
 
 
 class APIError(Exception):
@@ -34,6 +40,11 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """More characters than this cannot fit in max_model_len tokens (checked before tokenising)."""
+        return self.max_model_len * max(getattr(self.tokenizer, "max_token_chars", 64), 1)
+
 
 @dataclasses.dataclass
 class ParsedRequest:
@@ -45,58 +56,33 @@ class ParsedRequest:
     logprobs: bool
     return_token_ids: bool
     model: str
+    top_logprobs: int = 0
 
 
-_MISSING = object()
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _field(body: dict, key: str, check, what: str, default=None):
-    v = body.get(key, _MISSING)
-    if v is _MISSING or v is None:
-        return default
-    if not check(v):
-        raise APIError(f"'{key}' must be {what}, got {type(v).__name__} {v!r}"[:300], param=key)
-    return v
-
-
-def _is_str_list(v) -> bool:
-    return isinstance(v, list) and all(isinstance(s, str) for s in v)
-
-
-def _is_int_list(v) -> bool:
-    return isinstance(v, list) and all(_is_int(t) for t in v)
-
-
-def _check_model(body: dict, ctx: ServingContext) -> str:
-    model = _field(body, "model", lambda v: isinstance(v, str), "a string")
+def _check_model(model: str | None, ctx: ServingContext) -> str:
     if model is not None and model not in ctx.model_names:
         raise APIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
     return ctx.model_names[0]
 
 
-def _prompt_ids(body: dict, ctx: ServingContext) -> list[int]:
-    if "prompt" not in body or body["prompt"] is None:
+def _check_chars(n_chars: int, ctx: ServingContext, what: str) -> None:
+    if n_chars > ctx.max_prompt_chars:
+        raise APIError(f"This model's maximum context length is {ctx.max_model_len} tokens. However, your {what} "
+                       f"has {n_chars} characters, more than {ctx.max_model_len} tokens can hold.", param=what)
+
+
+def _prompt_ids(p, ctx: ServingContext) -> list[int]:
+    if p is None:
         raise APIError("'prompt' is required", param="prompt")
-    p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and (isinstance(p[0], str) or _is_int_list(p[0])):
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one prompt
     if isinstance(p, str):
+        _check_chars(len(p), ctx, "prompt")
         ids = ctx.tokenizer.encode(p)
-    elif _is_int_list(p):
+    elif all(isinstance(t, int) for t in p):
         ids = list(p)
-    elif isinstance(p, list) and (all(isinstance(x, str) for x in p) or all(_is_int_list(x) for x in p)):
-        raise APIError("only one prompt per request is supported; send several requests", param="prompt")
     else:
-        raise APIError("'prompt' must be a string, a list of token ids, or a list holding one of those",
-                       param="prompt")
+        raise APIError("only one prompt per request is supported; send several requests", param="prompt")
     if not ids:
         raise APIError("'prompt' must not be empty", param="prompt")
     bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
@@ -110,26 +96,19 @@ def _content_text(content, i: int) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
-        return "".join(parts)
-    raise APIError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+    parts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
+        parts.append(part.text)
+    return "".join(parts)
 
 
-def _chat_prompt_ids(body: dict, ctx: ServingContext) -> list[int]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
+def _chat_prompt_ids(msgs, ctx: ServingContext) -> list[int]:
+    if not msgs:
         raise APIError("'messages' must be a non-empty list of messages", param="messages")
-    clean = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(f"messages[{i}] must be an object with a string 'role'", param="messages")
-        clean.append({"role": m["role"], "content": _content_text(m.get("content"), i)})
+    clean = [{"role": m.role, "content": _content_text(m.content, i)} for i, m in enumerate(msgs)]
+    _check_chars(sum(len(m["content"]) for m in clean), ctx, "messages")
     try:
         text = ctx.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
     except ValueError as e:
@@ -139,41 +118,59 @@ def _chat_prompt_ids(body: dict, ctx: ServingContext) -> list[int]:
     return ctx.tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
 
 
-def _unsupported(body: dict, key: str, ok) -> None:
-    if key in body and body[key] is not None and not ok(body[key]):
-        raise APIError(f"'{key}'={body[key]!r} is not supported", param=key)
+# field -> (neutral value check, what is supported)
+_NEUTRAL = {
+    "best_of": (lambda v: v == 1, "1"), "echo": (lambda v: v is False, "false"), "suffix": (lambda v: False, "null"),
+    "presence_penalty": (lambda v: v == 0, "0"), "frequency_penalty": (lambda v: v == 0, "0"),
+    "repetition_penalty": (lambda v: v == 1, "1"), "logit_bias": (lambda v: v == {}, "{}"),
+    "min_tokens": (lambda v: v == 0, "0"), "tools": (lambda v: v == [], "[]"),
+}
 
 
-def parse_request(body, ctx: ServingContext, chat: bool) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
-    model = _check_model(body, ctx)
-    ids = _chat_prompt_ids(body, ctx) if chat else _prompt_ids(body, ctx)
+def _validate_body(raw: bytes, chat: bool):
+    model = schemas.ChatCompletionRequest if chat else schemas.CompletionRequest
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        msg, param = schemas.describe(e)
+        raise APIError(msg, param=param) from None
+
+
+def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
+    """The raw JSON body -> a ParsedRequest (tokenised). CPU-bound: the app runs it in a worker thread."""
+    body = _validate_body(raw, chat)
+    if body.model_extra:
+        log.warning("The following fields were present in the request but ignored: %s",
+                    sorted(body.model_extra)[:20])
+    model = _check_model(body.model, ctx)
+    for key, (ok, neutral) in _NEUTRAL.items():
+        v = getattr(body, key, None)
+        if v is not None and not ok(v):
+            raise APIError(f"'{key}'={v!r} is not supported (only {neutral})"[:300], param=key)
+    if body.n is not None and body.n != 1:
+        raise APIError("only n=1 is supported", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise APIError("'stream_options' can only be given when 'stream' is true", param="stream_options")
+
+    if chat:
+        logprobs, top_n, top_key = body.logprobs, body.top_logprobs or 0, "top_logprobs"
+    else:
+        logprobs, top_n, top_key = body.logprobs is not None, body.logprobs or 0, "logprobs"
+    if top_n > 0:  # no silent nulls: the sampler returns the chosen token's logprob only
+        raise APIError(f"'{top_key}'={top_n}: top logprobs (alternatives per token) are not supported; "
+                       f"{'top_logprobs: 0 with logprobs: true' if chat else 'logprobs: 0'} returns the sampled "
+                       "tokens' logprobs", param=top_key)
+
+    ids = _chat_prompt_ids(body.messages, ctx) if chat else _prompt_ids(body.prompt, ctx)
     n = len(ids)
     what = "messages" if chat else "prompt"
     if n >= ctx.max_model_len:
         raise APIError(f"This model's maximum context length is {ctx.max_model_len} tokens. However, your "
                        f"{what} has {n} tokens, which leaves no room for a completion.", param=what)
 
-    num = _field(body, "n", _is_int, "an integer", 1)
-    if num != 1:
-        raise APIError("only n=1 is supported", param="n")
-    _unsupported(body, "best_of", lambda v: v == 1)
-    _unsupported(body, "echo", lambda v: v is False)
-    _unsupported(body, "suffix", lambda v: False)
-    _unsupported(body, "presence_penalty", lambda v: v == 0)
-    _unsupported(body, "frequency_penalty", lambda v: v == 0)
-    _unsupported(body, "repetition_penalty", lambda v: v == 1)
-    _unsupported(body, "logit_bias", lambda v: v == {})
-    _unsupported(body, "min_tokens", lambda v: v == 0)
-    if chat:
-        _unsupported(body, "tools", lambda v: v == [])
-
-    key = "max_tokens"
-    max_tokens = _field(body, "max_tokens", _is_int, "an integer")
+    key, max_tokens = "max_tokens", body.max_tokens
     if chat and max_tokens is None:
-        key = "max_completion_tokens"
-        max_tokens = _field(body, key, _is_int, "an integer")
+        key, max_tokens = "max_completion_tokens", body.max_completion_tokens
     room = ctx.max_model_len - n
     if max_tokens is None:
         max_tokens = room if chat else min(16, room)
@@ -184,44 +181,27 @@ def parse_request(body, ctx: ServingContext, chat: bool) -> ParsedRequest:
                        f"requested {n + max_tokens} tokens ({n} in the {what}, {max_tokens} for the "
                        f"completion). Please reduce the length of the {what} or the completion.", param=key)
 
-    if chat:
-        logprobs = bool(_field(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False))
-        _field(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]")
-    else:
-        lp = _field(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= 20, "an integer in [0, 20]")
-        logprobs = lp is not None
-
-    stream = _field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
-    so = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object")
-    if so is not None and not stream:
-        raise APIError("'stream_options' can only be given when 'stream' is true", param="stream_options")
-    include_usage = bool(_field(so or {}, "include_usage", lambda v: isinstance(v, bool), "a boolean", False))
-
-    stop = _field(body, "stop", lambda v: isinstance(v, str) or _is_str_list(v), "a string or a list of strings")
-    if isinstance(stop, str):
-        stop = [stop]
-    stop = [s for s in (stop or []) if s]
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     kw = dict(
         max_new_tokens=max_tokens,
-        temperature=_field(body, "temperature", _is_num, "a number", 1.0),
-        top_p=_field(body, "top_p", _is_num, "a number", 1.0),
-        top_k=_field(body, "top_k", _is_int, "an integer", 0),
-        seed=_field(body, "seed", _is_int, "an integer"),
-        stop=stop,
-        stop_token_ids=_field(body, "stop_token_ids", _is_int_list, "a list of integers", []),
-        ignore_eos=_field(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=[x for x in stop if x],
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
         logprobs=logprobs,
     )
-    if kw["temperature"] > 2:
-        raise APIError(f"'temperature' must be in [0, 2], got {kw['temperature']}", param="temperature")
     try:
         params = SamplingParams(**kw)
     except ValueError as e:
         msg = str(e).replace("max_new_tokens", "max_tokens")
         field = msg.split(" ", 1)[0]
-        raise APIError(msg, param=field if field in body else None) from None
-    rti = _field(body, "return_token_ids", lambda v: isinstance(v, bool), "a boolean", False)
-    return ParsedRequest(chat, ids, params, stream, include_usage, logprobs, rti, model)
+        raise APIError(msg, param=field if field in body.model_fields_set else None) from None
+    include_usage = body.stream_options.include_usage if body.stream_options else False
+    return ParsedRequest(chat, ids, params, body.stream, include_usage, logprobs, body.return_token_ids, model,
+                         top_n)
 
 
 # ----- responses ---------------------------------------------------------------------------
@@ -240,11 +220,12 @@ def token_str(tokenizer, token_id: int) -> str:
 
 
 def completion_logprobs(tokens: list[str], lps: list[float], offset0: int = 0) -> dict:
+    """logprobs: 0 (the only value accepted): no alternatives, so an empty top list per token."""
     offsets, o = [], offset0
     for t in tokens:
         offsets.append(o)
         o += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": [{} for _ in tokens], "text_offset": offsets}
 
 
 def chat_logprobs(tokens: list[str], lps: list[float]) -> dict:

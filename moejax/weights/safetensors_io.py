@@ -14,6 +14,8 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from moejax.json_file import load_json_file
+
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
@@ -27,10 +29,32 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"safetensors file {path} is corrupt: {size} bytes, too short for a header")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError(f"safetensors file {path} is corrupt: its header length {n} exceeds the file "
+                                 f"({size} bytes; truncated?)")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+                raise ValueError(f"safetensors file {path} is corrupt: its header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"safetensors file {path} is corrupt: its header is not a JSON object")
         header.pop("__metadata__", None)
+        data = size - 8 - n
+        for name, info in header.items():
+            try:
+                b, e = info["data_offsets"]
+                ok = 0 <= b <= e <= data and isinstance(info["shape"], list) and isinstance(info["dtype"], str)
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"safetensors file {path} is corrupt: tensor {name!r} has a bad header entry "
+                                 f"or lies past the end of the file ({size} bytes)")
         self._header = header
         self._data_start = 8 + n
         self._mmap = None
@@ -49,7 +73,11 @@ class SafetensorsFile:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         b, e = info["data_offsets"]
         raw = self._mmap[self._data_start + b:self._data_start + e]
-        return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        try:
+            return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        except ValueError:
+            raise ValueError(f"safetensors file {self.path} is corrupt: tensor {name!r} has {e - b} bytes, "
+                             f"not those of shape {info['shape']} {info['dtype']}") from None
 
 
 def save_safetensors(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str] | None = None):
@@ -78,8 +106,10 @@ def list_checkpoint_files(directory: str) -> dict[str, str]:
     """tensor name -> file, from model.safetensors.index.json or the .safetensors files present."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        index_json = load_json_file(index, "checkpoint index")
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"checkpoint index {index} is corrupt: no 'weight_map' object")
         missing = sorted({f for f in weight_map.values() if not os.path.exists(os.path.join(directory, f))})
         if missing:
             raise ValueError(f"{index} names shard file(s) that do not exist: {missing}")
