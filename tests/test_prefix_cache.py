@@ -124,7 +124,7 @@ def test_prefix_hits_same_tokens_and_eviction_loses_nothing(tiny_path, reference
     seed = int(rng.integers(1 << 30))
     want = _generate(reference, prompts, 16, seed)
 
-    m = _load(tiny_path, num_kv_blocks=24)  # 192 slots for 6 x (41..59 + 16) tokens
+    m = _load(tiny_path, num_kv_blocks=24, max_model_len=128)  # 192 slots for 6 x (41..59 + 16) tokens
     eng = m.engine
     assert _generate(m, prompts, 16, seed) == want
     first_hits = eng.stats.prefix_cache_hits

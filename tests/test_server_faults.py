@@ -309,7 +309,7 @@ class _FakeEngine:
 
     class _Sched:
         def __init__(self):
-            self.waiting, self.running, self.num_preemptions = deque(), [], 0
+            self.waiting, self.prefilling, self.running, self.num_preemptions = deque(), [], [], 0
 
     class _Blocks:
         usage, num_free, num_blocks = 0.0, 1, 1
