@@ -30,13 +30,12 @@ from aiohttp import web
 import moejax
 from moejax.server import protocol
 from moejax.server.access import AccessPolicy, access_middleware, add_cors_headers
+from moejax.server.app_keys import CTX_KEY, ENGINE_KEY, STATE_KEY
 from moejax.server.async_engine import AsyncEngine, EngineDeadError, TokenEvent
+from moejax.server.lifecycle import Server
 from moejax.server.metrics import CONTENT_TYPE
 from moejax.server.protocol import APIError
 
-ENGINE_KEY = web.AppKey("engine", AsyncEngine)
-CTX_KEY = web.AppKey("ctx", protocol.ServingContext)
-STATE_KEY = web.AppKey("state", object)
 POLL_S = 0.5  # how often a waiting handler checks for a gone client / dead engine
 MAX_BODY_BYTES = 32 << 20  # 413 above this
 
@@ -302,7 +301,6 @@ class ServerThread:
                  app: web.Application | None = None, shutdown_timeout: float = 5.0,
                  exit_on_engine_death: bool = False):
         """Serves `model`, or a ready-made `app` (from build_app / make_app)."""
-        from moejax.server.lifecycle import Server
         self.host, self.port = host, port or free_port(host)
         if app is None:
             app, _ = make_app(model, model_name, policy=AccessPolicy(bind_host=host))

@@ -19,6 +19,8 @@ import time
 
 from aiohttp import web
 
+from moejax.server.app_keys import ENGINE_KEY, STATE_KEY
+
 FLUSH_S = 2.0  # time given to handlers to write their last events before connections are closed
 ENGINE_POLL_S = 0.2
 
@@ -27,7 +29,6 @@ class Server:
     def __init__(self, app: web.Application, host: str, port: int, shutdown_timeout: float = 30.0,
                  exit_on_engine_death: bool = True):
         """exit_on_engine_death=False keeps serving 503s after the engine died (embedded servers, tests)."""
-        from moejax.server.app import ENGINE_KEY, STATE_KEY
         if not shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout!r}")
         self.app, self.host, self.port, self.shutdown_timeout = app, host, port, shutdown_timeout
