@@ -96,18 +96,18 @@ class BlockManager:
         return [p.num_seqs for p in self.pools]
 
     # ----- prefix cache ---------------------------------------------------
+    def _keys(self, seq: Sequence, n: int) -> list[bytes]:
+        """Keys of the sequence's first n full blocks, hashed once: token ids only ever grow,
+        so ``seq.block_hashes`` is extended, never recomputed (admission retries every step)."""
+        bs, keys = self.block_size, seq.block_hashes
+        for i in range(len(keys), n):
+            keys.append(block_hash(keys[i - 1] if i else None, seq.token_ids[i * bs:(i + 1) * bs]))
+        return keys[:n]
+
     def _prefix_keys(self, seq: Sequence) -> list[bytes]:
         """Keys of the sequence's full blocks that may be reused: at least one token is always
         left to compute (its logits give the next token)."""
-        n = (len(seq) - 1) // self.block_size
-        keys, parent = [], None
-        for i in range(n):
-            if i < len(seq.block_hashes):
-                parent = seq.block_hashes[i]
-            else:
-                parent = block_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            keys.append(parent)
-        return keys
+        return self._keys(seq, (len(seq) - 1) // self.block_size)
 
     def _cached_prefix(self, pool: _RankPool, keys: list[bytes]) -> list[int]:
         blocks = []
@@ -154,7 +154,7 @@ class BlockManager:
         for b in hit:
             pool.share(b)
         seq.block_table = hit + [pool.take() for _ in range(self.blocks_needed(len(seq)) - len(hit))]
-        seq.block_hashes = keys[:len(hit)]
+        seq.num_keyed_blocks = len(hit)
         seq.num_cached_tokens = len(hit) * self.block_size
         return seq.num_cached_tokens
 
@@ -172,15 +172,13 @@ class BlockManager:
             return
         pool = self.pools[seq.dp_rank]
         full = min(seq.num_cached_tokens, len(seq)) // self.block_size
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), full):
-            parent = seq.block_hashes[i - 1] if i else None
-            key = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
-            seq.block_hashes.append(key)
+        keys = self._keys(seq, full)
+        for i in range(seq.num_keyed_blocks, full):
             b = seq.block_table[i]
-            if key not in pool.block_of and b not in pool.key_of:
-                pool.block_of[key] = b
-                pool.key_of[b] = key
+            if keys[i] not in pool.block_of and b not in pool.key_of:
+                pool.block_of[keys[i]] = b
+                pool.key_of[b] = keys[i]
+        seq.num_keyed_blocks = max(seq.num_keyed_blocks, full)
 
     def deallocate(self, seq: Sequence) -> None:
         if seq.block_table:
@@ -189,5 +187,5 @@ class BlockManager:
                 pool.release(b)
             pool.num_seqs -= 1
         seq.block_table = []
-        seq.block_hashes = []
+        seq.num_keyed_blocks = 0
         seq.num_cached_tokens = 0

@@ -29,7 +29,8 @@ class Sequence:
         self.dp_rank = 0  # the data-parallel rank (device) whose cache holds this sequence
         self.num_cached_tokens = 0  # tokens whose latents are in the cache (a prefix-cache hit included)
         self.num_new_tokens = 0  # tokens the scheduled prefill step computes (a chunk of the prompt)
-        self.block_hashes: list[bytes] = []  # prefix-cache keys of the full blocks computed so far
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of its full token blocks (hashed once, lazily)
+        self.num_keyed_blocks = 0  # of its blocks, how many are registered in the prefix cache (or hits)
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.text = ""
