@@ -111,7 +111,10 @@ def test_online_rebalance_mid_stream_changes_no_token(ckpt, tmp_path):
     assert got == want
     traces_before = dict(runner.trace_counts)
     rebalances = balancer.num_rebalances
-    moejax.generate(m, prompts[::-1], **kw)  # more rebalances; same bucket shapes
+    # More rebalances over the same bucket shapes: fresh prompts of the same lengths, so no prefix-cache
+    # hit steers a sequence to another rank (which would change the per-rank batch bucket).
+    fresh = [rng.integers(2, 320, size=len(p)).tolist() for p in prompts[::-1]]
+    moejax.generate(m, fresh, **kw)
     assert balancer.num_rebalances > rebalances
     assert runner.trace_counts["decode"] == traces_before["decode"]
 
