@@ -53,16 +53,28 @@ from pallas_kernels.fused_moe import _index, _weight_tile, moe_align_block_size
 SB = SCALE_BLOCK
 
 
-def _scale_cols(s_ref, e, kb, n0: int | jax.Array, BN: int, n_blocks: int):
+def _scale_cols(s_ref, e, kb, n0: int | jax.Array, BN: int, n_blocks: int, nk: bool = False):
     """The weight scales of K block ``kb`` for the column tile starting at ``n0``, shaped to multiply a
-    [BM, BN] product: a scalar when the tile lies in one 128-block, else one per column."""
+    [BM, BN] product: a scalar when the tile lies in one 128-block, else one per column. ``nk``: the
+    scales are [E, out blocks, in blocks] (HF's layout) rather than [E, in blocks, out blocks]."""
     if BN <= SB:
-        return s_ref[e, kb, n0 // SB]
+        return s_ref[e, n0 // SB, kb] if nk else s_ref[e, kb, n0 // SB]
     cols = jnp.minimum((n0 + jnp.arange(BN, dtype=jnp.int32)) // SB, n_blocks - 1)
-    return s_ref[e, kb, cols][None, :]
+    return (s_ref[e, cols, kb] if nk else s_ref[e, kb, cols])[None, :]
 
 
-def _gate_up_kernel(*refs, H, I, BM, BN, BK, a8, fmt, fuse_quant):
+def _tile_dot(x, w_ref, e, kidx, nidx, BK: int, BN: int, fmt: str, cdt, nk: bool):
+    """x [BM, BK] @ the weight tile (converted to ``cdt``) -> [BM, BN] float32. ``nk``: the weights are
+    [E, N, K] (K contiguous, HF's [out, in]), read as a [BN, BK] tile and contracted on its last dim:
+    the operand layout FP8 tensor-core dots take without a transpose in shared memory."""
+    if nk:
+        w = load_weight(_weight_tile(w_ref, e, nidx, kidx, BN, BK), fmt, cdt)
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    w = load_weight(_weight_tile(w_ref, e, kidx, nidx, BK, BN), fmt, cdt)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _gate_up_kernel(*refs, H, I, BM, BN, BK, a8, fmt, fuse_quant, nk, cdt16):
     if a8:
         eid_ref, src_ref, x_ref, xs_ref, wg_ref, sg_ref, wu_ref, su_ref, *outs = refs
     else:
@@ -87,13 +99,13 @@ def _gate_up_kernel(*refs, H, I, BM, BN, BK, a8, fmt, fuse_quant):
                 kidx = pl.ds(k0, BK)
                 x = x_ref[rows, kidx]
             kb = k0 // SB  # the step's K block (BK divides 128)
+            if cdt16:
+                x = x.astype(jnp.float16)
             cdt = FP8 if a8 else x.dtype
-            wg = load_weight(_weight_tile(wg_ref, e, kidx, nidx, BK, BN), fmt, cdt)
-            wu = load_weight(_weight_tile(wu_ref, e, kidx, nidx, BK, BN), fmt, cdt)
-            sg = _scale_cols(sg_ref, e, kb, n * BN, BN, nNb)
-            su = _scale_cols(su_ref, e, kb, n * BN, BN, nNb)
-            dg = jnp.dot(x, wg, preferred_element_type=f32)
-            du = jnp.dot(x, wu, preferred_element_type=f32)
+            sg = _scale_cols(sg_ref, e, kb, n * BN, BN, nNb, nk)
+            su = _scale_cols(su_ref, e, kb, n * BN, BN, nNb, nk)
+            dg = _tile_dot(x, wg_ref, e, kidx, nidx, BK, BN, fmt, cdt, nk)
+            du = _tile_dot(x, wu_ref, e, kidx, nidx, BK, BN, fmt, cdt, nk)
             if a8:
                 xs = xs_ref[rows, kb][:, None]  # [BM, 1] token scales of this K block
                 sg, su = xs * sg, xs * su
@@ -118,7 +130,7 @@ def _gate_up_kernel(*refs, H, I, BM, BN, BK, a8, fmt, fuse_quant):
             outs[0][...] = h.astype(outs[0].dtype)
 
 
-def _down_kernel(*refs, I, I_pad, H, BM, BN, BK, a8, fmt):
+def _down_kernel(*refs, I, I_pad, H, BM, BN, BK, a8, fmt, nk, cdt16):
     if a8:
         eid_ref, h_ref, hs_ref, wd_ref, sd_ref, o_ref = refs
     else:
@@ -135,11 +147,12 @@ def _down_kernel(*refs, I, I_pad, H, BM, BN, BK, a8, fmt):
         def step(k0, ragged, acc):
             h = h_ref[pl.ds(m * BM, BM), pl.ds(k0, BK)]  # [M_pad, I_pad]: always in bounds
             kidx = _index(k0, BK, I, not ragged)  # rows of W_down past I: clamped (h is 0 there)
-            w = load_weight(_weight_tile(wd_ref, e, kidx, nidx, BK, BN), fmt, h.dtype)
-            s = _scale_cols(sd_ref, e, jnp.minimum(k0 // SB, nKb - 1), n * BN, BN, nNb)
+            if cdt16:
+                h = h.astype(jnp.float16)
+            s = _scale_cols(sd_ref, e, jnp.minimum(k0 // SB, nKb - 1), n * BN, BN, nNb, nk)
             if a8:
                 s = hs_ref[pl.ds(m * BM, BM), k0 // SB][:, None] * s
-            return acc + jnp.dot(h, w, preferred_element_type=f32) * s
+            return acc + _tile_dot(h, wd_ref, e, kidx, nidx, BK, BN, fmt, h.dtype, nk) * s
 
         acc = jnp.zeros((BM, BN), f32)
         if I // BK:
@@ -151,11 +164,11 @@ def _down_kernel(*refs, I, I_pad, H, BM, BN, BK, a8, fmt):
 
 @functools.partial(jax.jit, static_argnames=("variant", "weight_format", "block_m", "block_n", "block_k",
                                              "block_n_down", "block_k_down", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "weight_layout", "compute_dtype", "interpret"))
 def fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, *, variant: str = "w8a16",
                   weight_format: str | None = None, block_m: int = 16, block_n: int = 64, block_k: int = 64,
                   block_n_down: int = 64, block_k_down: int = 64, num_warps: int = 4, num_stages: int = 3,
-                  interpret: bool | None = None):
+                  weight_layout: str = "kn", compute_dtype: str | None = None, interpret: bool | None = None):
     """x_sorted [N, H] (bf16) rows grouped by expert, group_sizes [E] (sum <= N);
     w_gate / w_up [E, H, I] and w_down [E, I, H] FP8 (float8_e4m3fn, float8_e4m3fnuz, or uint8 codes
     with ``weight_format``), scales s_gate / s_up [E, cdiv(H,128), cdiv(I,128)] and s_down
@@ -164,7 +177,17 @@ def fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_d
 
     ``variant``: "w8a16" (weights converted to x's dtype in the kernel) or "w8a8" (activations
     quantised per token per 128 channels, fp8 x fp8 dots). block_k and block_k_down must divide 128;
-    block_n and block_n_down must divide 128 or be multiples of it."""
+    block_n and block_n_down must divide 128 or be multiples of it.
+
+    ``weight_layout="nk"``: every weight and scale is given as [E, out, in] (HF's per-expert layout,
+    K contiguous: w_gate / w_up [E, I, H], w_down [E, H, I], scales likewise) instead of [E, in, out].
+    ``compute_dtype="float16"`` (w8a16 only): activations and weights meet in an f16 dot (FP8 -> f16
+    is one conversion; FP8 -> bf16 goes through f16 or f32); activations must stay inside f16's range."""
+    if weight_layout not in ("kn", "nk"):
+        raise ValueError(f"weight_layout must be 'kn' or 'nk', got {weight_layout!r}")
+    if compute_dtype not in (None, "float16") or (compute_dtype and variant != "w8a16"):
+        raise ValueError(f"compute_dtype must be None or 'float16' (w8a16 only), got {compute_dtype!r}")
+    nk, cdt16 = weight_layout == "nk", compute_dtype == "float16"
     if interpret is None:
         interpret = interpret_mode()
     w_gate, fmt = storage(w_gate, weight_format)
@@ -173,17 +196,24 @@ def fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_d
     check_variant(variant, fmt)
     a8 = variant == "w8a8"
     N, H = x_sorted.shape
-    E, _, I = w_gate.shape
+    E, I = w_gate.shape[0], w_gate.shape[1 if nk else 2]
     BM, BN, BK = block_m, block_n, block_k
     BN2 = block_n_down
     BK2 = min(block_k_down, BN, SB)  # divides I_pad (powers of two, BK2 <= BN) and 128
     check_blocks(BN, BK, "gate/up ")
     check_blocks(BN2, BK2, "down ")
-    for name, s, shape in (("s_gate", s_gate, (E, pl.cdiv(H, SB), pl.cdiv(I, SB))),
-                           ("s_up", s_up, (E, pl.cdiv(H, SB), pl.cdiv(I, SB))),
-                           ("s_down", s_down, (E, pl.cdiv(I, SB), pl.cdiv(H, SB)))):
-        if tuple(s.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(s.shape)}, expected {shape} (128 x 128 blocks, [E, in, out])")
+    def io(a, b):  # a shape given as (in, out), in the weights' layout
+        return (b, a) if nk else (a, b)
+
+    lay = "[E, out, in]" if nk else "[E, in, out]"
+    for name, w, shape in (("w_gate", w_gate, io(H, I)), ("w_up", w_up, io(H, I)), ("w_down", w_down, io(I, H))):
+        if tuple(w.shape) != (E, *shape):
+            raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {(E, *shape)} ({lay})")
+    for name, s, shape in (("s_gate", s_gate, io(pl.cdiv(H, SB), pl.cdiv(I, SB))),
+                           ("s_up", s_up, io(pl.cdiv(H, SB), pl.cdiv(I, SB))),
+                           ("s_down", s_down, io(pl.cdiv(I, SB), pl.cdiv(H, SB)))):
+        if tuple(s.shape) != (E, *shape):
+            raise ValueError(f"{name} has shape {tuple(s.shape)}, expected {(E, *shape)} (128 x 128 blocks, {lay})")
     s_gate, s_up, s_down = (s.astype(jnp.float32) for s in (s_gate, s_up, s_down))
     tile_expert, row_src, out_pos, out_valid = moe_align_block_size(group_sizes, N, BM)
     T = tile_expert.shape[0]
@@ -206,7 +236,8 @@ def fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_d
         out_specs = pl.BlockSpec((BM, BN), lambda m, n: (m, n))
         out_shape = jax.ShapeDtypeStruct((T * BM, I_pad), jnp.float32 if a8 else x_sorted.dtype)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, H=H, I=I, BM=BM, BN=BN, BK=BK, a8=a8, fmt=fmt, fuse_quant=fuse_quant),
+        functools.partial(_gate_up_kernel, H=H, I=I, BM=BM, BN=BN, BK=BK, a8=a8, fmt=fmt, fuse_quant=fuse_quant,
+                          nk=nk, cdt16=cdt16),
         grid=(T, I_pad // BN),
         in_specs=[whole] * len(args1),
         out_specs=out_specs,
@@ -219,7 +250,8 @@ def fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_d
     else:
         args2 = (tile_expert, h, w_down, s_down)
     y = pl.pallas_call(
-        functools.partial(_down_kernel, I=I, I_pad=I_pad, H=H, BM=BM, BN=BN2, BK=BK2, a8=a8, fmt=fmt),
+        functools.partial(_down_kernel, I=I, I_pad=I_pad, H=H, BM=BM, BN=BN2, BK=BK2, a8=a8, fmt=fmt, nk=nk,
+                          cdt16=cdt16),
         grid=(T, H_pad // BN2),
         in_specs=[whole] * len(args2),
         out_specs=pl.BlockSpec((BM, BN2), lambda m, n: (m, n)),

@@ -82,7 +82,21 @@ def moe_grid():
             for bn, bk, bn2, st in itertools.product((64, 128), (64, 128), (64, 128), (3, 4))]
 
 
-def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup):
+# --layouts: (label, extra kernel args, whether the weights go in as [E, out, in])
+LAYOUT_CASES = [("a16nk", dict(variant="w8a16", weight_layout="nk"), True),
+                ("a8nk", dict(variant="w8a8", weight_layout="nk"), True),
+                ("f16kn", dict(variant="w8a16", compute_dtype="float16"), False),
+                ("f16nk", dict(variant="w8a16", compute_dtype="float16", weight_layout="nk"), True)]
+
+
+def layout_grid():
+    """Tiles for the layout cases (--layouts --sweep): wide K steps, the two column widths, 4 / 8 warps."""
+    return [dict(block_m=16, block_n=bn, block_k=128, block_n_down=bn2, block_k_down=128 if bn >= 128 else 64,
+                 num_warps=nw, num_stages=st)
+            for bn, bn2, nw, st in itertools.product((64, 128), (64, 128), (4, 8), (3,))]
+
+
+def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False):
     E, H, I = (4, 256, 192) if smoke else (32, 7168, 2048)
     k = jax.random.split(jax.random.key(0), 4)
     qs = [quantize_fp8(jax.random.normal(kk, shape, jnp.float32) * 0.02) for kk, shape in
@@ -114,9 +128,23 @@ def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup):
                 f = jax.jit(functools.partial(fused_moe_fp8, **c, interpret=interpret))
                 tt, y = timed(f, x, gs, wg, sg, wu, su, wd, sd, iters=iters, warmup=warmup)
                 cases.append((variant if i == 0 else variant[-3:] + "*", tt, y, c))
+        if layouts:  # the same weights as [E, out, in] (HF's layout), and the f16 dot
+            nk = [jnp.swapaxes(a, 1, 2) for a in (wg, sg, wu, su, wd, sd)]
+            kn = [wg, sg, wu, su, wd, sd]
+            for label, extra, is_nk in LAYOUT_CASES:
+                with kernel_mode("pallas"):
+                    p = select_moe_fp8(N, E, H, I, BF16, FP8, extra["variant"]).params
+                base = dict(p, **extra)
+                configs = [base] + ([dict(base, **g) for g in layout_grid()] if sweep and t <= 32 and is_nk else [])
+                for i, c in enumerate(configs):
+                    if c.get("compute_dtype") and c.get("variant") != "w8a16":
+                        continue
+                    f = jax.jit(functools.partial(fused_moe_fp8, **c, interpret=interpret))
+                    tt, y = timed(f, x, gs, *(nk if is_nk else kn), iters=iters, warmup=warmup)
+                    cases.append((label if i == 0 else label + "*", tt, y, c))
         ref8 = jax.jit(functools.partial(grouped_mlp_fp8_xla, variant="w8a8"))(x, gs, wg, sg, wu, su, wd, sd)
         for name, tt, y, c in cases:  # W8A8 against the XLA path with the same activation quantisation
-            ref = ref8 if name.startswith("w8a8") or name == "a8*" else (y_x if t_x else None)
+            ref = ref8 if name.startswith(("w8a8", "a8")) else (y_x if t_x else None)
             err = rel(y, ref) if (tt and ref is not None) else float("nan")
             r = dict(kind="moe", tokens_per_expert=t, rows=N, path=name, us=tt and tt * 1e6,
                      fp8_tbps=tt and fp8_bytes / tt / 1e12, floor_us=floor * 1e6, err_vs_xla=err, params=c)
@@ -174,6 +202,8 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128, 512], help="MoE tokens per expert")
     ap.add_argument("--m", type=int, nargs="+", default=[64, 256, 1024], help="GEMM rows")
     ap.add_argument("--sweep", action="store_true", help="also time alternative MoE FP8 block sizes")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also the MoE with [E, out, in] weights (HF's layout, K contiguous) and with the f16 dot")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: checks the script on CPU")
@@ -189,11 +219,11 @@ def main():
     interpret = plat == "cpu"
     iters, warmup = (2, 1) if a.smoke else (a.iters, 3)
     if a.smoke:
-        a.tokens, a.m, a.sweep = [3], [5], False
+        a.tokens, a.m, a.sweep, a.layouts = [3], [5], False, True
     bw = measure_copy_bandwidth(1 << 20) if a.smoke else measure_copy_bandwidth()
     print(f"measured: copy {bw / 1e12:.2f} TB/s (read + write)")
     if a.only in (None, "moe"):
-        run_moe(a.tokens, bw, a.smoke, interpret, a.sweep, iters, warmup)
+        run_moe(a.tokens, bw, a.smoke, interpret, a.sweep, iters, warmup, a.layouts)
     if a.only in (None, "gemm"):
         run_gemm(a.m, bw, a.smoke, interpret, iters, warmup)
     if a.json:

@@ -191,6 +191,24 @@ def test_fused_moe_fp8_matches_reference(case, variant):
         assert 2e-3 < unq < 0.08, f"W8A8 vs unquantised activations {unq:.3f}, {where(seed)}"
 
 
+@pytest.mark.parametrize("variant,cdt", [("w8a16", None), ("w8a8", None), ("w8a16", "float16")])
+@pytest.mark.parametrize("case", [0, 3])
+def test_fused_moe_fp8_nk_layout(case, variant, cdt):
+    """HF's [E, out, in] weight layout (weight_layout="nk") and the f16 dot: the reference's error bound."""
+    N, H, I, gs, (bm, bn, bk, bn2, bk2) = MOE_CASES[case]
+    seed = seed_for("moe", case)
+    x, g_sz, (qg, sg, dg), (qu, su, du), (qd, sd, dd) = moe_case(seed, N, H, I, gs)
+    t = [jnp.asarray(np.swapaxes(a, 1, 2)) for a in (qg, sg, qu, su, qd, sd)]
+    y = fused_moe_fp8(x, g_sz, *t, variant=variant, weight_layout="nk", compute_dtype=cdt, block_m=bm, block_n=bn,
+                      block_k=bk, block_n_down=bn2, block_k_down=bk2, interpret=True)
+    n = sum(gs)
+    a8 = variant == "w8a8"
+    err = rel_err(y[:n], moe_ref(x, gs, dg, du, dd, a8=a8)[:n])
+    assert err < (1e-2 if a8 else 5e-3) and not np.any(np.asarray(y[n:])), f"rel err {err:.2e}, {where(seed)}"
+    with pytest.raises(ValueError, match="w_gate has shape"):  # the kn arrays under the nk flag
+        fused_moe_fp8(x, g_sz, *map(jnp.asarray, (qg, sg, qu, su, qd, sd)), weight_layout="nk", interpret=True)
+
+
 @pytest.mark.parametrize("case,fmt", [(0, "e4m3fn_bits"), (3, "e4m3fnuz_bits")])
 def test_fused_moe_fp8_integer_decode(case, fmt):
     """W8A16 with the weights as uint8 codes decoded in the kernel (ROCm's fnuz route; fn bytes)."""
