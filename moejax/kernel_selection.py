@@ -183,10 +183,12 @@ def _fp8_weight_format(weight_dtype, variant: str) -> tuple[str | None, str]:
 def select_moe_fp8(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, weight_dtype,
                    variant: str = "w8a16", mode: str | None = None) -> Choice:
     """Routed-expert MLP with 128x128 block-FP8 weights: Pallas ``fused_moe_fp8`` (params carry
-    ``variant`` and ``weight_format``) or the XLA dequantise-then-ragged_dot path. Tiles: the bf16
-    kernel's (select_moe) with K steps inside one scale block; w8a8 takes 128-wide gate/up column
-    tiles (h is requantised in the kernel's epilogue) and K steps of 128. Not re-tuned for FP8 (no
-    GPU run yet: scripts/bench_fp8_kernels.py)."""
+    ``variant`` and ``weight_format``; the weights in HF's [E, out, in] layout) or the XLA
+    dequantise-then-ragged_dot path. Tiles: the bf16 kernel's (select_moe) with K steps inside one
+    scale block; w8a8 takes 128-wide gate/up column tiles (h is requantised in the kernel's epilogue)
+    and K steps of 128. At decode (<= 16 rows an expert) W8A16 takes 64-wide gate/up tiles, 128-wide
+    down tiles and 8 warps: 656 vs 988 us for the bf16 kernel's tiles at the V3 EP8 share, 8 rows an
+    expert (H200, benchmarks/2026-12-03f/moe_layouts.txt)."""
     base = select_moe(num_rows, num_experts, hidden, inter, dtype, mode)
     if base.impl != "pallas":
         return base
@@ -195,6 +197,9 @@ def select_moe_fp8(num_rows: int, num_experts: int, hidden: int, inter: int, dty
         return Choice("xla", reason=why)
     p = dict(base.params, variant=variant, weight_format=fmt)
     p["block_k"], p["block_k_down"] = min(p["block_k"], 128), min(p["block_k_down"], 128)
+    if variant == "w8a16" and num_rows / max(num_experts, 1) <= 16 and platform() != "rocm":
+        p["block_n"], p["block_n_down"], p["num_warps"] = min(p["block_n"], 64), max(p["block_n_down"], 128), 8
+        p["block_n_down"] = min(p["block_n_down"], max(16, 1 << max(hidden - 1, 1).bit_length()))
     if variant == "w8a8" and inter >= 128 and hidden >= 128:
         p["block_n"], p["block_k"], p["block_k_down"] = 128, 128, max(p["block_k_down"], 32)
     return Choice("pallas", p, base.reason)
@@ -242,11 +247,11 @@ def grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s
                     mode: str | None = None, weight_format: str | None = None):
     """Block-FP8 routed-expert MLP through the selected Pallas kernel; None when XLA should run."""
     N, H = x_sorted.shape
-    E, _, I = w_gate.shape
+    E, I, _ = w_gate.shape  # [E, out, in] (HF's layout)
     c = select_moe_fp8(N, E, H, I, x_sorted.dtype, w_gate.dtype, variant, mode)
     if c.impl != "pallas":
         return None
-    p = dict(c.params, **({"weight_format": weight_format} if weight_format else {}))
+    p = dict(c.params, weight_layout="nk", **({"weight_format": weight_format} if weight_format else {}))
     return fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, **p)
 
 

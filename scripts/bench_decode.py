@@ -276,7 +276,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="deepseek-v2-lite")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (first layer dense)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--concurrency", default="64",
+                    help="comma list: one run per value (weights built once per --weight-dtype; JSON per point)")
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
@@ -297,6 +298,28 @@ def main(argv=None):
     ap.add_argument("--peer", action="store_true", help="also run HF transformers (PyTorch) at the same batch and lengths")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    try:
+        concs = [int(c) for c in a.concurrency.split(",")]
+    except ValueError:
+        raise SystemExit(f"--concurrency: {a.concurrency!r} is not a comma list of integers") from None
+    if any(c < 1 for c in concs):
+        raise SystemExit(f"--concurrency: {a.concurrency!r}: every value must be positive")
+    if len(concs) == 1:
+        a.concurrency = concs[0]
+        return _bench(a, argv)
+    if a.peer or a.components:
+        raise SystemExit("--peer and --components take a single --concurrency")
+    stem = a.json[:-5] if a.json and a.json.endswith(".json") else a.json
+    for wd in a.weight_dtype.split(","):  # weight format outer: its weights are built once for every point
+        for c in concs:
+            b = argparse.Namespace(**vars(a))
+            b.concurrency, b.weight_dtype = c, wd
+            b.json = stem and f"{stem}_c{c}_{wd}.json"
+            print(f"\n=== concurrency {c}, {wd} weights ===")
+            _bench(b, argv)
+
+
+def _bench(a, argv):
     kernel_modes = a.kernels.split(",")
     for k in kernel_modes:
         if k not in ("auto", "pallas", "xla"):

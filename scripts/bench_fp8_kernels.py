@@ -77,23 +77,18 @@ def fmt_t(t):
 
 
 def moe_grid():
-    """Alternatives for --sweep (decode-sized tiles: the weights stream)."""
-    return [dict(block_m=16, block_n=bn, block_k=bk, block_n_down=bn2, num_stages=st)
-            for bn, bk, bn2, st in itertools.product((64, 128), (64, 128), (64, 128), (3, 4))]
+    """Alternatives for --sweep (decode-sized tiles: the weights stream): wide K steps, the two column
+    widths, 4 / 8 warps."""
+    return [dict(block_m=16, block_n=bn, block_k=128, block_n_down=bn2, block_k_down=128 if bn >= 128 else 64,
+                 num_warps=nw, num_stages=3)
+            for bn, bn2, nw in itertools.product((64, 128), (64, 128), (4, 8))]
 
 
 # --layouts: (label, extra kernel args, whether the weights go in as [E, out, in])
-LAYOUT_CASES = [("a16nk", dict(variant="w8a16", weight_layout="nk"), True),
-                ("a8nk", dict(variant="w8a8", weight_layout="nk"), True),
-                ("f16kn", dict(variant="w8a16", compute_dtype="float16"), False),
+# The main rows run the model's layout, [E, out, in] ("nk"); these are the alternatives.
+LAYOUT_CASES = [("a16kn", dict(variant="w8a16", weight_layout="kn"), False),
+                ("a8kn", dict(variant="w8a8", weight_layout="kn"), False),
                 ("f16nk", dict(variant="w8a16", compute_dtype="float16", weight_layout="nk"), True)]
-
-
-def layout_grid():
-    """Tiles for the layout cases (--layouts --sweep): wide K steps, the two column widths, 4 / 8 warps."""
-    return [dict(block_m=16, block_n=bn, block_k=128, block_n_down=bn2, block_k_down=128 if bn >= 128 else 64,
-                 num_warps=nw, num_stages=st)
-            for bn, bn2, nw, st in itertools.product((64, 128), (64, 128), (4, 8), (3,))]
 
 
 def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False):
@@ -113,36 +108,37 @@ def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False):
         x = jax.random.normal(k[0], (N, H), jnp.float32).astype(BF16)
         gs = jnp.full((E,), t, jnp.int32)
         floor = fp8_bytes / bw
-        xla_fn = jax.jit(grouped_mlp_fp8_xla)
-        t_x, y_x = timed(xla_fn, x, gs, wg, sg, wu, su, wd, sd, iters=iters, warmup=warmup)
+        xla_fn = jax.jit(grouped_mlp_fp8_xla)  # takes the model's [E, out, in] layout
+        t_x, y_x = timed(xla_fn, x, gs, *(jnp.swapaxes(a, 1, 2) for a in (wg, sg, wu, su, wd, sd)),
+                         iters=iters, warmup=warmup)
         with kernel_mode("pallas"):
             pb = select_moe(N, E, H, I, BF16).params
         t_b, y_b = timed(jax.jit(functools.partial(fused_moe, **pb, interpret=interpret)), x, gs, *bf,
                          iters=iters, warmup=warmup)
         cases = [("xla", t_x, y_x, {}), ("bf16", t_b, y_b, pb)]
+        kn = [wg, sg, wu, su, wd, sd]
+        nk = [jnp.swapaxes(a, 1, 2) for a in kn]  # HF's [E, out, in]: the model's FP8 expert layout
         for variant in ("w8a16", "w8a8"):
             with kernel_mode("pallas"):
                 p = select_moe_fp8(N, E, H, I, BF16, FP8, variant).params
             configs = [p] + ([dict(p, **g) for g in moe_grid()] if sweep else [])
             for i, c in enumerate(configs):
-                f = jax.jit(functools.partial(fused_moe_fp8, **c, interpret=interpret))
-                tt, y = timed(f, x, gs, wg, sg, wu, su, wd, sd, iters=iters, warmup=warmup)
+                f = jax.jit(functools.partial(fused_moe_fp8, **c, weight_layout="nk", interpret=interpret))
+                tt, y = timed(f, x, gs, *nk, iters=iters, warmup=warmup)
                 cases.append((variant if i == 0 else variant[-3:] + "*", tt, y, c))
-        if layouts:  # the same weights as [E, out, in] (HF's layout), and the f16 dot
-            nk = [jnp.swapaxes(a, 1, 2) for a in (wg, sg, wu, su, wd, sd)]
-            kn = [wg, sg, wu, su, wd, sd]
+        if layouts:  # the same weights as [E, in, out], and the f16 dot
             for label, extra, is_nk in LAYOUT_CASES:
                 with kernel_mode("pallas"):
                     p = select_moe_fp8(N, E, H, I, BF16, FP8, extra["variant"]).params
                 base = dict(p, **extra)
-                configs = [base] + ([dict(base, **g) for g in layout_grid()] if sweep and t <= 32 and is_nk else [])
+                configs = [base]
                 for i, c in enumerate(configs):
                     if c.get("compute_dtype") and c.get("variant") != "w8a16":
                         continue
                     f = jax.jit(functools.partial(fused_moe_fp8, **c, interpret=interpret))
                     tt, y = timed(f, x, gs, *(nk if is_nk else kn), iters=iters, warmup=warmup)
                     cases.append((label if i == 0 else label + "*", tt, y, c))
-        ref8 = jax.jit(functools.partial(grouped_mlp_fp8_xla, variant="w8a8"))(x, gs, wg, sg, wu, su, wd, sd)
+        ref8 = jax.jit(functools.partial(grouped_mlp_fp8_xla, variant="w8a8"))(x, gs, *nk)
         for name, tt, y, c in cases:  # W8A8 against the XLA path with the same activation quantisation
             ref = ref8 if name.startswith(("w8a8", "a8")) else (y_x if t_x else None)
             err = rel(y, ref) if (tt and ref is not None) else float("nan")
@@ -203,7 +199,7 @@ def main():
     ap.add_argument("--m", type=int, nargs="+", default=[64, 256, 1024], help="GEMM rows")
     ap.add_argument("--sweep", action="store_true", help="also time alternative MoE FP8 block sizes")
     ap.add_argument("--layouts", action="store_true",
-                    help="also the MoE with [E, out, in] weights (HF's layout, K contiguous) and with the f16 dot")
+                    help="also the MoE with [E, in, out] weights (the layout before 2026-12-03f) and with the f16 dot")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: checks the script on CPU")

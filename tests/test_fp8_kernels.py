@@ -300,7 +300,7 @@ def test_xla_fallbacks_match_reference():
         assert rel_err(y.reshape(M, N), ref) < 1e-5, f"{variant} {where(seed)}"  # float32 operands on CPU
     N2, H, I, gs = 13, 200, 136, [3, 0, 7, 2]
     x2, g_sz, (qg, sg, dg), (qu, su, du), (qd, sd, dd) = moe_case(seed, N2, H, I, gs)
-    w = [jnp.asarray(a) for a in (qg, sg, qu, su, qd, sd)]
+    w = [jnp.asarray(np.swapaxes(a, 1, 2)) for a in (qg, sg, qu, su, qd, sd)]  # the model's [E, out, in]
     for variant in ("w8a16", "w8a8"):
         y = jax.jit(functools.partial(grouped_mlp_fp8_xla, variant=variant))(x2, g_sz, *w)
         ref = moe_ref(x2, gs, dg, du, dd, a8=variant == "w8a8")
@@ -328,7 +328,7 @@ def test_entry_points_kernel_vs_xla():
     N, H, I, gs = 20, 136, 200, [5, 0, 9, 4]
     x2, g_sz, (qg, sg, _), (qu, su, _), (qd, sd, _) = moe_case(seed, N, H, I, gs)
     for fnuz, variants in ((False, ("w8a16",)), (True, ("w8a16",))):  # (w8a8 MoE: the kernel tests)
-        w = [a for qq, ss in ((qg, sg), (qu, su), (qd, sd))
+        w = [jnp.swapaxes(a, 1, 2) for qq, ss in ((qg, sg), (qu, su), (qd, sd))  # the model's [E, out, in]
              for a in ((jnp.asarray(e4m3fn_to_e4m3fnuz(qq, ss)[0]), jnp.asarray(ss * 2)) if fnuz else
                        (jnp.asarray(qq), jnp.asarray(ss)))]
         for variant in variants:

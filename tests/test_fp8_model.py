@@ -56,8 +56,8 @@ def _load(path, **kw):
 @pytest.mark.parametrize("name", ["v3", "step3"])
 def test_fp8_stays_fp8_on_device_with_its_scales(ckpts, name):
     """Checked against the checkpoint: every projection the policy names is float8_e4m3fn on the device
-    with its float32 block scales beside it, equal to the file's bytes (experts transposed into the
-    stacked [E, in, out] layout); kv_b_proj, norms, router and lm_head keep the model dtype."""
+    with its float32 block scales beside it, equal to the file's bytes (experts stacked in HF's
+    [E, out, in] layout); kv_b_proj, norms, router and lm_head keep the model dtype."""
     from moejax.weights.safetensors_io import CheckpointReader
     m = _load(ckpts[name])
     flat = flatten(m.params)
@@ -70,7 +70,7 @@ def test_fp8_stays_fp8_on_device_with_its_scales(ckpts, name):
         s = files.get("model.layers.1.mlp.experts.5.gate_proj.weight_scale_inv")
         got = np.asarray(flat["layers_1", "mlp", "experts", "gate_proj"][5])
         got_s = np.asarray(flat["layers_1", "mlp", "experts", "gate_proj_scale_inv"][5])
-        assert np.array_equal(got.view(np.uint8), np.asarray(w).T.view(np.uint8)) and np.array_equal(got_s, s.T)
+        assert np.array_equal(got.view(np.uint8), np.asarray(w).view(np.uint8)) and np.array_equal(got_s, s)
         w = files.get("model.layers.0.self_attn.o_proj.weight")
         got = np.asarray(flat["layers_0", "self_attn", "o_proj", "weight"])
         assert np.array_equal(got.view(np.uint8), np.asarray(w).view(np.uint8))

@@ -16,8 +16,9 @@ from moejax.layers.fp8_experts import grouped_mlp_fp8
 
 
 class ExpertWeights(NamedTuple):
-    """One rank's routed-expert weights, [E_local, in, out]; with FP8 also their block scales
-    [E_local, ceil(in/128), ceil(out/128)] and the FP8 variant ("w8a16" | "w8a8")."""
+    """One rank's routed-expert weights, [E_local, in, out]; FP8 weights are [E_local, out, in] (HF's
+    layout) with their block scales [E_local, ceil(out/128), ceil(in/128)] and the FP8 variant
+    ("w8a16" | "w8a8")."""
     gate: jax.Array
     up: jax.Array
     down: jax.Array

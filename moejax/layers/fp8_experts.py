@@ -2,9 +2,9 @@
 ``fused_moe_fp8`` where ``select_moe_fp8`` picks it, else XLA) and the XLA fallback (dequantise the
 stacked weights, then ``ragged_dot`` as in experts.py).
 
-Layout: w_gate / w_up [E, H, I], w_down [E, I, H] FP8 (float8_e4m3fn, float8_e4m3fnuz, or uint8
-codes), scales [E, cdiv(in, 128), cdiv(out, 128)] float32: HF's per-expert ``weight_scale_inv``
-[cdiv(out,128), cdiv(in,128)] transposed along with the weight. ``variant``: "w8a16" | "w8a8" (the
+Layout: HF's per-expert [out, in]: w_gate / w_up [E, I, H], w_down [E, H, I] FP8 (float8_e4m3fn,
+float8_e4m3fnuz, or uint8 codes), scales [E, cdiv(out, 128), cdiv(in, 128)] float32 (HF's
+``weight_scale_inv`` per expert, as it is). K contiguous: the FP8 fused MoE's fastest layout. ``variant``: "w8a16" | "w8a8" (the
 XLA path emulates the kernel's activation quantisation: x and h per token per 128 channels).
 """
 
@@ -25,7 +25,7 @@ def grouped_mlp_fp8_xla(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_dow
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     dt, f32 = xla_compute_dtype(x_sorted.dtype), jnp.float32
-    wg, wu, wd = (dequantize_fp8(w, s, dt, weight_format)
+    wg, wu, wd = (jnp.swapaxes(dequantize_fp8(w, s, dt, weight_format), 1, 2)  # -> [E, in, out]
                   for w, s in ((w_gate, s_gate), (w_up, s_up), (w_down, s_down)))
     x = (act_dequant(*act_quant(x_sorted)) if variant == "w8a8" else x_sorted).astype(dt)
     g = jax.lax.ragged_dot(x, wg, group_sizes, preferred_element_type=f32)

@@ -4,11 +4,11 @@ The family's name table (moejax/models/<family>.py) says where each HF tensor go
 this loader checks every tensor against the shapes the Flax model declares: missing,
 unexpected, duplicated or mis-shaped tensors raise a ValueError naming the HF tensor.
 Routed experts arrive one [out, in] tensor per expert (DeepSeek) or one [E, out, in]
-tensor (Step3) and are stored [E, in, out].
+tensor (Step3) and are stored [E, in, out], or as they are ([E, out, in]) when FP8.
 
 FP8: where the model declares a float8 leaf (moejax/layers/fp8_policy.py), an FP8 tensor
-stays FP8 and its ``weight_scale_inv`` goes beside it (``<leaf>_scale_inv``; for stacked
-experts transposed with the weight, [E, in/128, out/128]); a bf16/f32 tensor is quantised
+stays FP8 and its ``weight_scale_inv`` goes beside it (``<leaf>_scale_inv``; stacked experts
+[E, out/128, in/128]); a bf16/f32 tensor is quantised
 to the same 128x128 block format. Where the model declares the model dtype, FP8 tensors
 are dequantised. One matrix at a time: never a whole stacked tensor in float32.
 
@@ -100,14 +100,17 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
         dt = FP8 if keep_fp8 else np_dtype(want)
 
         def convert(matrix_name, a, s):
-            """HF [out, in] -> ([in, out] in the leaf's dtype, its [in/b, out/b] scales or None)."""
+            """HF [out, in] -> ([in, out] in the leaf's dtype, None), or FP8 kept [out, in] with its
+            [out/b, in/b] scales."""
             if keep_fp8:
-                q, qs = _fp8_matrix(matrix_name, a, s, block, want_block)
-                return q.T, qs.T
+                return _fp8_matrix(matrix_name, a, s, block, want_block)
             return _matrix(matrix_name, a, s, block).T.astype(dt), None
 
-        if ref.expert is not None:  # one expert: HF [out, in] -> row ref.expert of [E, in, out]
-            E, n_in, n_out = want.shape
+        def in_out(shape):  # (E, in, out) of a stacked expert leaf
+            return (shape[0], shape[2], shape[1]) if keep_fp8 else tuple(shape)
+
+        if ref.expert is not None:  # one expert: HF [out, in] -> row ref.expert of [E, in, out] ([E, out, in])
+            E, n_in, n_out = in_out(want.shape)
             _check_shape(name, arr, (n_out, n_in))
             if not 0 <= ref.expert < E:
                 raise ValueError(f"checkpoint tensor {name!r}: expert index {ref.expert} >= n_routed_experts")
@@ -122,8 +125,8 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
                 finish(ref.path, pending.pop(ref.path))
                 if keep_fp8:
                     finish(sp, pending.pop(sp))
-        elif ref.stacked:  # all experts: HF [E, out, in] -> [E, in, out]
-            E, n_in, n_out = want.shape
+        elif ref.stacked:  # all experts: HF [E, out, in] -> [E, in, out] (FP8: as it is)
+            E, n_in, n_out = in_out(want.shape)
             _check_shape(name, arr, (E, n_out, n_in))
             if scale is not None and (scale.ndim != 3 or scale.shape[0] != E):
                 raise ValueError(f"checkpoint tensor {name + SCALE_SUFFIX!r} has shape {tuple(scale.shape)}: "
