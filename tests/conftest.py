@@ -3,6 +3,13 @@ import os
 # Tests run on the CPU; EP tests ask for 8 host devices. Set before jax is imported.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# One persistent XLA compilation cache for the session (and the scripts tests start as subprocesses,
+# which inherit it): many tests compile the same tiny models' programs, which are then built once.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moejax-test-xla-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import random  # noqa: E402
 import secrets  # noqa: E402
