@@ -203,17 +203,26 @@ def peer_in_child(argv) -> tuple[float | None, str | None]:
             return json.load(f)["peer_tok_per_s"], None
 
 
+def weight_kw(wd: str) -> dict:
+    """A --weight-dtype item as EngineConfig arguments: "bf16", "fp8" (the default FP8 layer policy) or
+    "fp8:<kinds joined by +>", e.g. "fp8:experts+shared_experts" (the others bf16)."""
+    fmt, _, kinds = wd.partition(":")
+    if fmt not in ("bf16", "fp8") or (kinds and fmt != "fp8"):
+        raise SystemExit(f"--weight-dtype: {wd!r} is not bf16, fp8 or fp8:<layer types joined by +>")
+    return dict(weight_dtype=fmt, **({"fp8_layers": kinds.replace("+", ",")} if kinds else {}))
+
+
 def run_one(hf, parallel, kernels, a, weight_dtype="bf16"):
     if weight_dtype not in _PARAMS:
         _PARAMS.clear()  # one weight format's weights on the device at a time
         gc.collect()
         cfg = parse_model_config(hf)
-        fp8 = EngineConfig.create(cfg, weight_dtype=weight_dtype).fp8
+        fp8 = EngineConfig.create(cfg, **weight_kw(weight_dtype)).fp8
         _PARAMS[weight_dtype] = random_device_params(cfg, a.dtype, fp8=fp8)
     ranks = 1 if parallel == "none" else ParallelConfig.load(parallel).num_ranks
     per_rank = -(-a.concurrency // ranks)  # --concurrency is over the node; sizes below are per rank
     m = random_model(hf, a.dtype, parallel=None if parallel == "none" else parallel, kernels=kernels,
-                     params=_PARAMS[weight_dtype], weight_dtype=weight_dtype, fp8_variant=a.fp8_variant,
+                     params=_PARAMS[weight_dtype], **weight_kw(weight_dtype), fp8_variant=a.fp8_variant,
                      kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype],
                      max_model_len=a.input_len + a.output_len + 16, max_num_seqs=per_rank,
                      num_kv_blocks=per_rank * (-(-(a.input_len + a.output_len + 16) // 16)))
@@ -292,7 +301,8 @@ def main(argv=None):
                     help="also report XLA's memory analysis of the decode step (one more step and compile)")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--weight-dtype", default="bf16",
-                    help="comma list of bf16 / fp8 (128x128 block-scaled weights; one run each, floors from each's bytes)")
+                    help="comma list of bf16 / fp8 (128x128 block-scaled weights; one run each, floors from each's "
+                         "bytes) / fp8:<layer types joined by +> (only those FP8, e.g. fp8:experts+shared_experts)")
     ap.add_argument("--fp8-variant", choices=["w8a16", "w8a8"], default="w8a16")
     ap.add_argument("--components", action="store_true", help="also time attention and MoE alone at the step's shapes")
     ap.add_argument("--peer", action="store_true", help="also run HF transformers (PyTorch) at the same batch and lengths")
@@ -314,7 +324,7 @@ def main(argv=None):
         for c in concs:
             b = argparse.Namespace(**vars(a))
             b.concurrency, b.weight_dtype = c, wd
-            b.json = stem and f"{stem}_c{c}_{wd}.json"
+            b.json = stem and f"{stem}_c{c}_{wd.replace(':', '-').replace('+', '-')}.json"
             print(f"\n=== concurrency {c}, {wd} weights ===")
             _bench(b, argv)
 
@@ -346,10 +356,7 @@ def _bench(a, argv):
     ctx = a.input_len + a.warmup + a.steps // 2
     kv_itemsize = 1 if a.kv_dtype == "fp8" else 2
     weight_dtypes = a.weight_dtype.split(",")
-    for wd in weight_dtypes:
-        if wd not in ("bf16", "fp8"):
-            raise SystemExit(f"--weight-dtype: {wd!r} is not one of bf16, fp8")
-    fp8_of = {wd: EngineConfig.create(cfg, weight_dtype=wd).fp8 for wd in weight_dtypes}
+    fp8_of = {wd: EngineConfig.create(cfg, **weight_kw(wd)).fp8 for wd in weight_dtypes}
     nbytes, flops = step_floor(cfg, a.concurrency, ctx, kv_itemsize=kv_itemsize, fp8=fp8_of[weight_dtypes[0]])
     floor = max(nbytes / bw, flops / rate)
     print(f"device: {jax.devices()[0].device_kind}; measured copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
