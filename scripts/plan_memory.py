@@ -5,6 +5,7 @@ in sequences of a workload (input + output tokens each).
 
   python scripts/plan_memory.py --preset deepseek-v3 --parallel dp8-ep8 --weight-dtype fp8 --gpu-memory 141
   python scripts/plan_memory.py --preset deepseek-v3 --parallel dp8-ep8 --weight-dtype fp8 --gpu-memory 192
+  python scripts/plan_memory.py --preset deepseek-v3 --weight-dtype fp8 --fp8-layers experts,shared_experts
 
 Assumptions (printed): a fraction --gpu-memory-utilization of each GPU is usable (vLLM's default
 0.9), of which --reserve-gb goes to activations, the step's buffers and the compiled programs; the
@@ -35,12 +36,13 @@ GB = 1e9
 
 
 def plan(hf: dict, parallel: str | None, weight_dtype: str, gpu_memory_gb: float, utilization: float,
-         reserve_gb: float, kv_cache_dtype: str, input_len: int, output_len: int, block_size: int = 16) -> dict:
+         reserve_gb: float, kv_cache_dtype: str, input_len: int, output_len: int, block_size: int = 16,
+         fp8_layers: str = "default") -> dict:
     cfg = parse_model_config(hf)
     pc = ParallelConfig.load(parallel) if parallel else None
     n = pc.num_ranks if pc else 1
     redundant = pc.num_redundant_experts if pc else 0
-    fp8 = EngineConfig.create(cfg, weight_dtype=weight_dtype).fp8
+    fp8 = EngineConfig.create(cfg, weight_dtype=weight_dtype, fp8_layers=fp8_layers).fp8
     per_gpu: dict[str, float] = collections.defaultdict(float)
     for path, leaf in flatten(abstract_params(cfg, "bfloat16", fp8)).items():
         nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
@@ -68,6 +70,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
     ap.add_argument("--parallel", default="dp8-ep8", help="a layout (dp{N}-ep{N}, a shipped name or a .yaml); 'none'")
     ap.add_argument("--weight-dtype", choices=["fp8", "bf16"], default="fp8")
+    ap.add_argument("--fp8-layers", default="default",
+                    help="layer types kept FP8 with --weight-dtype fp8, comma list (moejax/layers/fp8_policy.py)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--gpu-memory", type=float, default=141.0, help="GB per GPU (H200 141, MI300X 192)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -77,7 +81,8 @@ def main(argv=None):
     ap.add_argument("--concurrency", type=int, default=4096, help="the workload to check (sequences per node)")
     a = ap.parse_args(argv)
     r = plan(preset(a.preset), None if a.parallel == "none" else a.parallel, a.weight_dtype, a.gpu_memory,
-             a.gpu_memory_utilization, a.reserve_gb, a.kv_cache_dtype, a.input_len, a.output_len)
+             a.gpu_memory_utilization, a.reserve_gb, a.kv_cache_dtype, a.input_len, a.output_len,
+             fp8_layers=a.fp8_layers)
     print(f"{a.preset} ({r['model_type']}, {r['layers']} layers), {a.parallel} ({r['ranks']} GPUs), "
           f"{a.weight_dtype} weights (FP8 layers: {', '.join(r['fp8_layers']) or 'none'}), "
           f"KV cache {a.kv_cache_dtype}")

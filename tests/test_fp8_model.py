@@ -213,6 +213,12 @@ def test_plan_memory_counts_the_models_own_bytes(capsys):
     ratio = ep["weights_gb_by_kind"]["experts"] / ep_bf16["weights_gb_by_kind"]["experts"]
     assert abs(ratio - 0.5 * (1 + 4 / 128 ** 2)) < 1e-3  # 1 byte a weight + a float32 scale per 128x128 block
     assert ep["fits"] and ep["kv_tokens_per_gpu"] * ep["kv_bytes_per_token"] <= ep["kv_gb"] * 1e9
+    # A policy keeping attention in bf16: the same experts, attention at bf16's 2 bytes a weight.
+    experts_only = pm.plan(hf, "dp8-ep8", "fp8", 141, 0.9, 6, "auto", 2000, 100, fp8_layers="experts,shared_experts")
+    assert experts_only["fp8_layers"] == ["experts", "shared_experts"]
+    assert experts_only["weights_gb_by_kind"]["experts"] == ep["weights_gb_by_kind"]["experts"]
+    assert experts_only["weights_gb_by_kind"]["attention"] > 1.5 * ep["weights_gb_by_kind"]["attention"]
+    assert experts_only["seqs_per_node"] < ep["seqs_per_node"]
     assert pm.main(["--preset", "deepseek-v3", "--weight-dtype", "fp8", "--gpu-memory", "141"]) in (0, 1)
     out = capsys.readouterr().out
     assert "weights per GPU" in out and "experts" in out and "largest that fits" in out
