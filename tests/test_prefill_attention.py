@@ -1,8 +1,8 @@
 """Memory-bounded prefill attention (layers/prefill_attention.py, pallas_kernels/flash_prefill_attention.py):
 the Pallas kernel (interpret mode) and the XLA blocked path against float64 NumPy attention, batched
 and packed (prompts back to back in one stream), Triton-IR lowering for CUDA and ROCm, the selection,
-chunked prefill over the paged cache against one-shot prefill at the model level (DeepSeek and
-Step3), and the compiled XLA path's memory."""
+chunked prefill over the paged cache and packed prefill against one-shot prefill at the model level
+(DeepSeek and Step3), and the compiled XLA path's memory."""
 
 import functools
 
@@ -324,6 +324,43 @@ def test_chunked_prefill_matches_one_shot(name, mode, segment, monkeypatch):
                 got[b, starts[b]:starts[b] + n[b]] = np.asarray(lg[b, :n[b]])
     for b, n in enumerate(LENS):
         np.testing.assert_allclose(got[b, :n], np.asarray(want[b, :n]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(cache), np.asarray(want_cache), atol=1e-5)
+
+
+@pytest.mark.parametrize("name,mode", [("v3-tiny", "xla"), ("v3-tiny", "pallas"), ("step3-tiny", "xla"),
+                                       ("step3-tiny", "pallas")])
+def test_packed_prefill_matches_batched(name, mode):
+    """The two prompts of the one-shot test packed in one 96-token stream (cu_seqlens, padding after
+    them written to an out-of-range slot) give the batched one-shot logits (float32, 1e-5) at every
+    real token, and the same cache."""
+    from moejax.tiny.checkpoint import random_params
+    cfg, module, routing, one_shot = _tiny(name)
+    rng = np.random.default_rng()
+    v = {"params": random_params(cfg, int(rng.integers(2 ** 31)), std=0.1), "routing": routing}
+    B, T = len(LENS), 96
+    num_slots = B * NB * BS
+    slot_of = rng.permutation(num_slots).reshape(B, NB * BS).astype(np.int32)  # any slot of any page
+    tokens = rng.integers(2, cfg.vocab_size, (B, S)).astype(np.int32)
+    slots = np.full((B, S), num_slots, np.int32)
+    cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
+    p_tokens, p_pos, p_slots = np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, num_slots, np.int32)
+    for b, n in enumerate(LENS):
+        slots[b, :n] = slot_of[b, :n]
+        p_tokens[cu[b]:cu[b + 1]], p_pos[cu[b]:cu[b + 1]], p_slots[cu[b]:cu[b + 1]] = tokens[b, :n], np.arange(n), \
+            slot_of[b, :n]
+    cache0 = jnp.zeros((cfg.num_hidden_layers, num_slots, cfg.kv_cache_dim), jnp.float32)
+    want, want_cache = one_shot(v, cache0, tokens, slots)
+
+    @jax.jit
+    def packed(v, cache, toks, pos, cu, slots):
+        with kernel_mode(mode):
+            h, cache = module.apply(v, toks, pos, None, cache, slots, cu_seqlens=cu, method="prefill")
+        return module.apply(v, h, method="logits"), cache
+
+    got, cache = packed(v, cache0, p_tokens, p_pos, cu, p_slots)
+    assert got.shape == (T, cfg.vocab_size)
+    for b, n in enumerate(LENS):
+        np.testing.assert_allclose(np.asarray(got[cu[b]:cu[b + 1]]), np.asarray(want[b, :n]), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(cache), np.asarray(want_cache), atol=1e-5)
 
 
