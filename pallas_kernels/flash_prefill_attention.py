@@ -70,8 +70,8 @@ def _prefill_kernel(*refs, packed, group, block_q, block_k, Dk, Dv, R, v_off, n_
     if packed:
         # q_ref / kv_ref hold the whole stream of one K/V head; the table says whose block this is.
         cu_ref, seq_ref, blk_ref, o_ref, lse_ref = rest
-        p = pl.program_id(0)
-        b, i = seq_ref[p], blk_ref[p]
+        prog = pl.program_id(0)
+        b, i = seq_ref[prog], blk_ref[prog]
         k_base = cu_ref[b]  # the sequence's first token in the stream
         q_len = cu_ref[b + 1] - k_base
         ctx, k0 = q_len, 0

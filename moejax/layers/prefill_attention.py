@@ -9,6 +9,12 @@ of ``block_q`` tokens (``lax.map``), each walking key blocks of ``block_k`` (``f
 to the chunk's last position only) with an online softmax. Either way the largest
 temporary is one chunk's [B, heads, block_q, block_k] float32 scores, whatever S is.
 
+``packed_prefill_attention`` is the same for whole prompts packed back to back in one token
+stream (q [T, H, Dk], kv [T, Hk, W], cumulative offsets ``cu_seqlens`` [B + 1]; each prompt
+attends causally to its own tokens, nothing is padded to the longest prompt): the kernel's
+packed grid, or the XLA path here over the stream as one sequence with segment ids masking
+keys of other prompts.
+
 ``paged_prefill_attention`` is the chunked-prefill form: keys for positions [0, ctx_len) are
 read from the paged cache through the block table, one segment of ``segment`` tokens at a
 time (gathered, dequantised for an FP8 cache, expanded by the caller's ``expand``), and the
