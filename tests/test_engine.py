@@ -5,6 +5,7 @@ import pytest
 
 import moejax
 from moejax.engine.block_manager import BlockManager
+from moejax.engine.model_runner import packed_bucket
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.sequence import Sequence
 from moejax.tiny.checkpoint import make_random_checkpoint
@@ -51,6 +52,27 @@ def test_steady_state_decode_compiles_once_per_bucket(tiny_path):
     assert eng.runner.trace_counts["decode"] == 1
     run([12, 12, 12])  # 3 live, bucket 4: exactly one more program
     assert eng.runner.trace_counts["decode"] == 2
+
+
+def test_packed_prefill_matches_one_at_a_time(tiny_path):
+    """Prompts of very different lengths prefilled together in one packed stream give each prompt's
+    greedy tokens and logprobs (the first from the prefill's logits) of prefilling it alone (float32,
+    1e-5); the stream is their total length in its bucket, not batch x the longest prompt, and its
+    padding tokens count in no expert's statistics."""
+    m = _load(tiny_path, enable_prefix_caching=False)  # every run prefills whole prompts
+    rng = np.random.default_rng()
+    lens = [150, 2, 1, 14, 9]  # alone: two stream buckets (160, 16), few compilations
+    prompts = [rng.integers(2, 320, size=n).tolist() for n in lens]
+    moejax.generate(m, prompts, max_new_tokens=1)  # the prefill step alone: its expert statistics
+    k = m.config.model.num_experts_per_tok
+    assert (m.engine.runner.last_expert_counts.sum(-1) == sum(lens) * k).all()  # padding is not routed
+    kw = dict(max_new_tokens=4, ignore_eos=True, logprobs=True)
+    together = moejax.generate(m, prompts, **kw)
+    assert m.engine.runner.last_prefill_tokens == packed_bucket(sum(lens)) == 192  # padded: 8 x 256 = 2048
+    for p, got in zip(prompts, together):
+        alone = moejax.generate(m, [p], **kw)[0]
+        assert got.token_ids == alone.token_ids
+        np.testing.assert_allclose(got.logprobs, alone.logprobs, atol=1e-5, rtol=1e-5)
 
 
 def test_seeded_sampling_independent_of_batch(tiny_path):

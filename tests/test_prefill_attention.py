@@ -1,7 +1,8 @@
 """Memory-bounded prefill attention (layers/prefill_attention.py, pallas_kernels/flash_prefill_attention.py):
-the Pallas kernel (interpret mode) and the XLA blocked path against float64 NumPy attention, Triton-IR
-lowering for CUDA and ROCm, the selection, chunked prefill over the paged cache against one-shot
-prefill at the model level (DeepSeek and Step3), and the compiled XLA path's memory."""
+the Pallas kernel (interpret mode) and the XLA blocked path against float64 NumPy attention, batched
+and packed (prompts back to back in one stream), Triton-IR lowering for CUDA and ROCm, the selection,
+chunked prefill over the paged cache and packed prefill against one-shot prefill at the model level
+(DeepSeek and Step3), and the compiled XLA path's memory."""
 
 import functools
 
@@ -12,8 +13,9 @@ import pytest
 
 from moejax import kernel_selection
 from moejax.kernel_selection import kernel_mode, select_prefill
-from moejax.layers.prefill_attention import paged_prefill_attention, prefill_attention, xla_prefill_attention
-from pallas_kernels.flash_prefill_attention import flash_prefill_attention
+from moejax.layers.prefill_attention import (paged_prefill_attention, prefill_attention, xla_packed_prefill_attention,
+                                             xla_prefill_attention)
+from pallas_kernels.flash_prefill_attention import flash_packed_prefill_attention, flash_prefill_attention
 
 BF16 = jnp.bfloat16
 
@@ -93,6 +95,64 @@ def test_attention_matches_float64_reference(impl, case):
     _check(o, lse, *reference(q, kv, lens, ctxs, starts, Dk ** -0.5, qr, kr, v_dim=Dv), lens, 2e-5)
 
 
+# (T, H, Hk, Dk, Dv, R, prompt lengths, block_q, block_k): T > sum(lengths) leaves padding at the end
+PACKED_CASES = {
+    # MLA expanded (nope 16 + rope 8 against one shared rope key, v 16): lengths dividing no block
+    "mla": (200, 4, 4, 16, 16, 8, [1, 17, 64, 100], 16, 16),
+    # Step3 MFA: 8 query heads on one K/V head, [k | v] rows; 32-row tiles are 4 tokens x 8 heads
+    "mfa": (190, 8, 1, 16, 16, 0, [100, 1, 17, 64], 32, 16),
+    # grouped K/V heads (2 groups of 3), value width != key width, an empty prompt in the batch
+    "gqa": (48, 6, 2, 16, 8, 0, [5, 0, 33], 16, 16),
+}
+
+
+def _packed_reference(q, kv, cu, scale, qr, kr, Dv):
+    """``reference`` on each prompt of the stream alone (one-shot: its own tokens, positions from 0)."""
+    out, lse = np.zeros((q.shape[0], q.shape[1], Dv)), np.full(q.shape[:2], -np.inf)
+    for a, e in zip(cu[:-1], cu[1:]):
+        if e > a:
+            n = np.array([e - a])
+            o, l_ = reference(q[None, a:e], kv[None, a:e], n, n, [0], scale, None if qr is None else qr[None, a:e],
+                              None if kr is None else kr[None, a:e], v_dim=Dv)
+            out[a:e], lse[a:e] = o[0], l_[0]
+    return out, lse
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("case", list(PACKED_CASES))
+def test_packed_attention_matches_float64_reference(impl, case):
+    """Prompts packed back to back in one stream (cu_seqlens): the kernel (interpret mode) and the
+    XLA blocked path against float64 NumPy attention of each prompt alone, output and log-sum-exp
+    at every real token; the padding after the last prompt comes back as zeros."""
+    T, H, Hk, Dk, Dv, R, lens, bq, bk = PACKED_CASES[case]
+    rng = np.random.default_rng()
+    q, kv, qr, kr = (None if a is None else a[0] for a in _inputs(rng, 1, T, T, H, Hk, Dk, Dv, R))
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    kw = dict(scale=Dk ** -0.5, q_rope=qr, k_rope=kr, v_dim=Dv, block_q=bq, block_k=bk, return_lse=True)
+    if impl == "pallas":
+        o, lse = flash_packed_prefill_attention(q, kv, cu, interpret=True, **kw)
+    else:
+        o, lse = jax.jit(functools.partial(xla_packed_prefill_attention, **kw))(q, kv, cu)
+    assert o.shape == (T, H, Dv) and lse.shape == (T, H) and o.dtype == jnp.float32
+    ref_o, ref_lse = _packed_reference(q, kv, cu, Dk ** -0.5, qr, kr, Dv)
+    n = cu[-1]
+    np.testing.assert_allclose(np.asarray(o)[:n], ref_o[:n], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse)[:n], ref_lse[:n], atol=2e-5, rtol=2e-5)
+    assert not np.asarray(o)[n:].any() and np.isneginf(np.asarray(lse)[n:]).all()
+
+
+def test_packed_bad_arguments_are_named():
+    """Invariant: a packed call with kv of another token count, or cu_seqlens not [B + 1], is refused
+    with a ValueError naming the argument."""
+    q, kv = jnp.zeros((8, 2, 16)), jnp.zeros((8, 2, 32))
+    cu = jnp.array([0, 3, 8], jnp.int32)
+    for fn in (flash_packed_prefill_attention, xla_packed_prefill_attention):
+        with pytest.raises(ValueError, match="kv"):
+            fn(q, kv[:6], cu, scale=0.1)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            fn(q, kv, cu[None], scale=0.1)
+
+
 def test_bf16_operands_and_dispatch():
     """bf16 operands (f32 accumulation) through ``prefill_attention`` with "pallas" (interpreter)
     and "xla" forced, against the float64 reference of the bf16-rounded inputs; MLA layout with
@@ -159,8 +219,8 @@ def test_selection(monkeypatch):
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
 def test_kernel_lowers_to_triton(platform, monkeypatch):
     """Pallas -> Triton IR at DeepSeek-V3 MLA (128 heads, 128 + 64 rope, v 128) and Step3 MFA
-    (64 heads over one 256-dim K/V head) prefill shapes with the selected GPU block sizes (IR only:
-    not compiled to PTX / HSACO, no GPU here)."""
+    (64 heads over one 256-dim K/V head) prefill shapes with the selected GPU block sizes, batched
+    and packed (IR only: not compiled to PTX / HSACO, no GPU here)."""
     S = jax.ShapeDtypeStruct
     monkeypatch.setattr(kernel_selection, "platform", lambda: platform)
     i32 = S((2,), jnp.int32)
@@ -177,6 +237,20 @@ def test_kernel_lowers_to_triton(platform, monkeypatch):
         text = jax.jit(f).trace(S((2, Tq, 64, 256), BF16), S((2, Tk, 1, 512), BF16), i32, i32, i32).lower(
             lowering_platforms=(platform,)).as_text()
         assert text.count("xla.gpu.triton") == 1
+    # packed: 3 prompts in a stream of 3000 tokens (a multiple of neither tile)
+    T, cu = 3000, S((4,), jnp.int32)
+    p = select_prefill(1, T, T, 128, 128, 128, 64, 128, BF16).params
+    f = functools.partial(flash_packed_prefill_attention, scale=0.1, v_offset=128, v_dim=128, out_dtype=BF16,
+                          interpret=False, **p)
+    text = jax.jit(lambda q, kv, qr, kr, c: f(q, kv, c, q_rope=qr, k_rope=kr)).trace(
+        S((T, 128, 128), BF16), S((T, 128, 256), BF16), S((T, 128, 64), BF16), S((T, 64), BF16), cu).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert text.count("xla.gpu.triton") == 1
+    p = select_prefill(1, T, T, 64, 1, 256, 0, 256, BF16).params
+    f = functools.partial(flash_packed_prefill_attention, scale=0.1, return_lse=True, interpret=False, **p)
+    text = jax.jit(f).trace(S((T, 64, 256), BF16), S((T, 1, 512), BF16), cu).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert text.count("xla.gpu.triton") == 1
 
 
 # ---------------------------------------------------------------- the model: chunked vs one-shot
@@ -250,6 +324,43 @@ def test_chunked_prefill_matches_one_shot(name, mode, segment, monkeypatch):
                 got[b, starts[b]:starts[b] + n[b]] = np.asarray(lg[b, :n[b]])
     for b, n in enumerate(LENS):
         np.testing.assert_allclose(got[b, :n], np.asarray(want[b, :n]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(cache), np.asarray(want_cache), atol=1e-5)
+
+
+@pytest.mark.parametrize("name,mode", [("v3-tiny", "xla"), ("v3-tiny", "pallas"), ("step3-tiny", "xla"),
+                                       ("step3-tiny", "pallas")])
+def test_packed_prefill_matches_batched(name, mode):
+    """The two prompts of the one-shot test packed in one 96-token stream (cu_seqlens, padding after
+    them written to an out-of-range slot) give the batched one-shot logits (float32, 1e-5) at every
+    real token, and the same cache."""
+    from moejax.tiny.checkpoint import random_params
+    cfg, module, routing, one_shot = _tiny(name)
+    rng = np.random.default_rng()
+    v = {"params": random_params(cfg, int(rng.integers(2 ** 31)), std=0.1), "routing": routing}
+    B, T = len(LENS), 96
+    num_slots = B * NB * BS
+    slot_of = rng.permutation(num_slots).reshape(B, NB * BS).astype(np.int32)  # any slot of any page
+    tokens = rng.integers(2, cfg.vocab_size, (B, S)).astype(np.int32)
+    slots = np.full((B, S), num_slots, np.int32)
+    cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
+    p_tokens, p_pos, p_slots = np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, num_slots, np.int32)
+    for b, n in enumerate(LENS):
+        slots[b, :n] = slot_of[b, :n]
+        p_tokens[cu[b]:cu[b + 1]], p_pos[cu[b]:cu[b + 1]], p_slots[cu[b]:cu[b + 1]] = tokens[b, :n], np.arange(n), \
+            slot_of[b, :n]
+    cache0 = jnp.zeros((cfg.num_hidden_layers, num_slots, cfg.kv_cache_dim), jnp.float32)
+    want, want_cache = one_shot(v, cache0, tokens, slots)
+
+    @jax.jit
+    def packed(v, cache, toks, pos, cu, slots):
+        with kernel_mode(mode):
+            h, cache = module.apply(v, toks, pos, None, cache, slots, cu_seqlens=cu, method="prefill")
+        return module.apply(v, h, method="logits"), cache
+
+    got, cache = packed(v, cache0, p_tokens, p_pos, cu, p_slots)
+    assert got.shape == (T, cfg.vocab_size)
+    for b, n in enumerate(LENS):
+        np.testing.assert_allclose(np.asarray(got[cu[b]:cu[b + 1]]), np.asarray(want[b, :n]), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(cache), np.asarray(want_cache), atol=1e-5)
 
 

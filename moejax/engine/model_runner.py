@@ -2,8 +2,12 @@
 
 Shapes are padded to buckets so the compiled programs are reused: the per-rank
 decode batch to a power of two (up to max_num_seqs) and the block-table width to
-a power of two of the longest live context; prefill batches to (batch, length)
-powers of two (a chunked or prefix-cached prefill also by its block-table width). Steady-state decoding therefore compiles nothing new. The cache
+a power of two of the longest live context. A prefill of whole prompts (nothing cached)
+packs each rank's prompts back to back in one token stream with cumulative offsets
+(``cu_seqlens``; no padding to the longest prompt), the stream padded to ``packed_bucket``
+of its length and the number of prompts to a power of two. A chunked or prefix-cached
+prefill pads to (batch, chunk length) powers of two and its block-table width.
+Steady-state decoding therefore compiles nothing new. The cache
 is donated to every step, so XLA updates it in place.
 
 Every per-step array has a leading rank axis [N, ...]. Without a mesh N = 1 and
@@ -30,6 +34,14 @@ from moejax.parallel.sharding import RANK, REPLICATED, param_specs
 
 def next_pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def packed_bucket(n: int) -> int:
+    """Tokens of a packed prefill stream of n: a multiple of 16 up to 128, then four buckets per
+    power of two (1.25, 1.5, 1.75 and 2 x 2^k), so padding stays under 25% of the stream and a
+    power of two of prompt lengths compiles four programs."""
+    step = max(16, next_pow2(n) // 8)
+    return -(-max(n, 1) // step) * step
 
 
 def default_num_blocks(config: EngineConfig) -> int:
@@ -74,6 +86,7 @@ class ModelRunner:
         # How many times each step was traced (= compiled): tests assert on it.
         self.trace_counts: collections.Counter[str] = collections.Counter()
         self.last_expert_counts = self.last_dispatched = None
+        self.last_prefill_tokens = 0  # tokens per rank the last prefill step computed, padding included
         self._prefill = self._compile(self._prefill_rank, "prefill", with_cache=True)
         self._prefill_paged = self._compile(self._prefill_paged_rank, "prefill_paged", with_cache=True)
         self._decode = self._compile(self._decode_rank, "decode", with_cache=True)
@@ -94,14 +107,14 @@ class ModelRunner:
         return out, jnp.stack([e["expert_counts"][0] for e in ex]), jnp.stack([e["dispatched"][0] for e in ex])
 
     # ----- per-rank compiled bodies ----------------------------------------
-    def _prefill_rank(self, params, routing, cache, tokens, seq_lens, slots, samp):
-        B, S = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    def _prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots, samp):
+        """Whole prompts packed in one stream: tokens, positions, slots [T]; cu_seqlens [B + 1]."""
         v = self._vars(params, routing)
-        (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, seq_lens, cache, slots,
-                                                             method="prefill")
-        last = h[jnp.arange(B), jnp.maximum(seq_lens - 1, 0)]
-        toks, lps = sample(self.module.apply(v, last, method="logits"), *samp, positions=seq_lens)
+        (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, None, cache, slots, None, None,
+                                                             None, cu_seqlens, method="prefill")
+        last = h[jnp.maximum(cu_seqlens[1:] - 1, 0)]  # each prompt's last token
+        toks, lps = sample(self.module.apply(v, last, method="logits"), *samp,
+                           positions=cu_seqlens[1:] - cu_seqlens[:-1])
         return cache, toks, lps, counts, dispatched
 
     def _prefill_paged_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots, block_tables,
@@ -183,43 +196,72 @@ class ModelRunner:
         writes its latents to the cache and samples a next token from its last position; the
         token means something only for a sequence whose prompt the chunk completes.
 
-        A batch of whole prompts with nothing cached takes the one-shot program (each prompt
-        attends to its own latents); otherwise chunks attend to their context read from the
-        paged cache (a prefix-cache hit or earlier chunks): layers/prefill_attention.py."""
+        A batch of whole prompts with nothing cached takes the one-shot program over a packed
+        stream (each prompt attends to its own latents); otherwise chunks attend to their context
+        read from the paged cache (a prefix-cache hit or earlier chunks): layers/prefill_attention.py."""
+        for s in seqs:
+            a, n = s.num_cached_tokens, s.num_new_tokens
+            if n < 1 or a + n > len(s):
+                raise RuntimeError(f"bad prefill chunk [{a}, {a + n}) of a {len(s)}-token sequence")
         ranks, per_rank = self._by_rank(seqs)
-        N, B = self.num_ranks, next_pow2(per_rank)
-        S = next_pow2(max(s.num_new_tokens for s in seqs), 16)
-        paged = any(s.num_cached_tokens for s in seqs)
-        tokens = np.zeros((N, B, S), np.int32)
-        positions = np.zeros((N, B, S), np.int32)
-        lens, ctx = np.zeros((N, B), np.int32), np.zeros((N, B), np.int32)
-        slots = np.full((N, B, S), self.num_slots, np.int32)  # out of range: dropped
-        nb = min(next_pow2(max(len(s.block_table) for s in seqs)), next_pow2(self.max_blocks_per_seq)) if paged else 1
-        tables = np.zeros((N, B, nb), np.int32)
-        for r, rs in enumerate(ranks):
-            for i, s in enumerate(rs):
-                a, n = s.num_cached_tokens, s.num_new_tokens
-                if n < 1 or a + n > len(s):
-                    raise RuntimeError(f"bad prefill chunk [{a}, {a + n}) of a {len(s)}-token sequence")
-                tokens[r, i, :n] = s.token_ids[a:a + n]
-                positions[r, i, :n] = np.arange(a, a + n)
-                lens[r, i], ctx[r, i] = n, a + n
-                slots[r, i, :n] = [self._slot(s, p) for p in range(a, a + n)]
-                if paged:
-                    tables[r, i, :len(s.block_table)] = s.block_table
+        B = next_pow2(per_rank)
         samp = self._sampling_arrays(ranks, B)
-        if paged:
-            self.cache, toks, lps, counts, dispatched = self._prefill_paged(
-                self.params, self.routing, self.cache, tokens, positions, lens, ctx, slots, tables, samp)
+        if any(s.num_cached_tokens for s in seqs):
+            self.cache, toks, lps, counts, dispatched = self._prefill_paged(self.params, self.routing, self.cache,
+                                                                            *self._paged_arrays(ranks, B, seqs), samp)
         else:
-            self.cache, toks, lps, counts, dispatched = self._prefill(self.params, self.routing, self.cache, tokens,
-                                                                      lens, slots, samp)
+            self.cache, toks, lps, counts, dispatched = self._prefill(self.params, self.routing, self.cache,
+                                                                      *self._packed_arrays(ranks, B), samp)
         self._record(counts, dispatched)
         got = self._gather(ranks, toks, lps)
         for s in seqs:
             s.num_cached_tokens += s.num_new_tokens
             s.num_new_tokens = 0
         return np.array([got[s.seq_id][0] for s in seqs]), np.array([got[s.seq_id][1] for s in seqs])
+
+    def _packed_arrays(self, ranks: list[list[Sequence]], B: int):
+        """Each rank's whole prompts back to back: tokens, positions, slots [N, T] and cu_seqlens
+        [N, B + 1] (prompts past the rank's own are empty; tokens past its last prompt are padding,
+        written to an out-of-range slot: dropped)."""
+        N = self.num_ranks
+        T = packed_bucket(max(sum(s.num_new_tokens for s in rs) for rs in ranks))
+        self.last_prefill_tokens = T
+        tokens, positions = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
+        slots = np.full((N, T), self.num_slots, np.int32)
+        cu = np.zeros((N, B + 1), np.int32)
+        for r, rs in enumerate(ranks):
+            off = 0
+            for i, s in enumerate(rs):
+                n = s.num_new_tokens
+                tokens[r, off:off + n] = s.token_ids[:n]
+                positions[r, off:off + n] = np.arange(n)
+                slots[r, off:off + n] = [self._slot(s, p) for p in range(n)]
+                off += n
+                cu[r, i + 1] = off
+            cu[r, len(rs) + 1:] = off
+        return tokens, positions, cu, slots
+
+    def _paged_arrays(self, ranks: list[list[Sequence]], B: int, seqs: list[Sequence]):
+        """Chunks after a cached context, padded to [N, B, S]: tokens, positions, chunk and context
+        lengths, slots, block tables."""
+        N = self.num_ranks
+        S = next_pow2(max(s.num_new_tokens for s in seqs), 16)
+        self.last_prefill_tokens = B * S
+        tokens = np.zeros((N, B, S), np.int32)
+        positions = np.zeros((N, B, S), np.int32)
+        lens, ctx = np.zeros((N, B), np.int32), np.zeros((N, B), np.int32)
+        slots = np.full((N, B, S), self.num_slots, np.int32)  # out of range: dropped
+        nb = min(next_pow2(max(len(s.block_table) for s in seqs)), next_pow2(self.max_blocks_per_seq))
+        tables = np.zeros((N, B, nb), np.int32)
+        for r, rs in enumerate(ranks):
+            for i, s in enumerate(rs):
+                a, n = s.num_cached_tokens, s.num_new_tokens
+                tokens[r, i, :n] = s.token_ids[a:a + n]
+                positions[r, i, :n] = np.arange(a, a + n)
+                lens[r, i], ctx[r, i] = n, a + n
+                slots[r, i, :n] = [self._slot(s, p) for p in range(a, a + n)]
+                tables[r, i, :len(s.block_table)] = s.block_table
+        return tokens, positions, lens, ctx, slots, tables
 
     def decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
         """One token for each sequence; its last token is the one being fed."""

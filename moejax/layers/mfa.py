@@ -23,7 +23,8 @@ from moejax.layers.fp8_policy import Fp8Scheme
 from moejax.layers.linear import Linear
 from moejax.layers.norm import RMSNorm
 from moejax.layers.paged_attention import mfa_decode_attention, write_cache
-from moejax.layers.prefill_attention import paged_prefill_attention, prefill_attention
+from moejax.layers.prefill_attention import (check_prefill_mode, packed_prefill_attention,
+                                             paged_prefill_attention, prefill_attention)
 from moejax.layers.rope import apply_rope, rope_frequencies
 
 
@@ -61,30 +62,34 @@ class MFA(nn.Module):
         return jnp.concatenate([k.reshape(*x.shape[:-1], G * D).astype(v.dtype), v], axis=-1)
 
     def prefill(self, x, positions, seq_lens, cache=None, slots=None, block_tables=None, ctx_lens=None,
-                block_size: int | None = None):
+                block_size: int | None = None, cu_seqlens=None):
         """x [B, S, H], positions [B, S], seq_lens [B]; writes [k | v] rows to cache at slots [B, S].
 
         Without ``block_tables`` the prompt attends to itself; with ``block_tables`` [B, nb] (and
         ``block_size``) the chunk is the last seq_lens[b] positions of a context of ``ctx_lens[b]``
         tokens (``positions`` must be those positions): its rows are written first, then it
-        attends to positions [0, ctx_len) read from the cache one segment at a time. Every query
-        head of a K/V group shares that head's keys (layers/prefill_attention.py: no [S, S] scores)."""
+        attends to positions [0, ctx_len) read from the cache one segment at a time. With
+        ``cu_seqlens`` [B + 1] the prompts are packed in one stream (x [T, H], positions and slots
+        [T], seq_lens unused), each attending to itself. Every query head of a K/V group shares
+        that head's keys (layers/prefill_attention.py: no [S, S] scores)."""
         c = self.cfg
-        B, S, _ = x.shape
         nh, G, D = c.num_attention_heads, c.num_attention_groups, c.head_dim
-        q = self._query(x, positions)  # [B, S, nh, D]
+        check_prefill_mode(x, cu_seqlens, block_tables)
+        q = self._query(x, positions)  # [..., nh, D]
         row = self._kv_row(x, positions)
         if cache is not None:
-            cache = write_cache(cache, self.layer, slots.reshape(-1), row.reshape(B * S, -1))
+            cache = write_cache(cache, self.layer, slots.reshape(-1), row.reshape(-1, row.shape[-1]))
 
-        def per_head(rows):  # [B, T, 2 G D] rows [k of every head | v of every head] -> [B, T, G, 2D]
-            T = rows.shape[1]
+        def per_head(rows):  # [..., 2 G D] rows [k of every head | v of every head] -> [..., G, 2D]
+            lead = rows.shape[:-1]
             if G == 1:
-                return rows.reshape(B, T, 1, 2 * D)
-            return jnp.concatenate([rows[..., :G * D].reshape(B, T, G, D), rows[..., G * D:].reshape(B, T, G, D)], -1)
+                return rows.reshape(*lead, 1, 2 * D)
+            return jnp.concatenate([rows[..., :G * D].reshape(*lead, G, D), rows[..., G * D:].reshape(*lead, G, D)], -1)
 
         kw = dict(scale=c.softmax_scale, v_offset=D, v_dim=D, out_dtype=x.dtype)
-        if block_tables is None:
+        if cu_seqlens is not None:
+            o = packed_prefill_attention(q, per_head(row), cu_seqlens, **kw)
+        elif block_tables is None:
             o = prefill_attention(q, per_head(row), seq_lens, **kw)
         else:
             if cache is None or block_size is None:
@@ -92,7 +97,7 @@ class MFA(nn.Module):
             o = paged_prefill_attention(q, cache, block_tables, seq_lens, seq_lens if ctx_lens is None else ctx_lens,
                                         block_size, expand=lambda rows: (per_head(rows.astype(q.dtype)), None),
                                         row_dim=2 * G * D, layer=self.layer, **kw)
-        return self.o_proj(o.reshape(B, S, nh * D)), cache
+        return self.o_proj(o.reshape(*x.shape[:-1], nh * D)), cache
 
     def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size: int):
         """x [B, H] one new token per sequence, already counted in seq_lens."""

@@ -16,7 +16,8 @@ from moejax.layers.fp8_policy import Fp8Scheme
 from moejax.layers.linear import Linear, einsum_f32
 from moejax.layers.norm import RMSNorm
 from moejax.layers.paged_attention import mla_decode_attention, write_cache
-from moejax.layers.prefill_attention import paged_prefill_attention, prefill_attention
+from moejax.layers.prefill_attention import (check_prefill_mode, packed_prefill_attention,
+                                             paged_prefill_attention, prefill_attention)
 from moejax.layers.rope import apply_rope, rope_frequencies
 
 
@@ -60,7 +61,7 @@ class MLA(nn.Module):
         return jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
 
     def prefill(self, x, positions, seq_lens, cache=None, slots=None, block_tables=None, ctx_lens=None,
-                block_size: int | None = None):
+                block_size: int | None = None, cu_seqlens=None):
         """x [B, S, H], positions [B, S], seq_lens [B]; writes latents to cache at slots [B, S].
 
         Without ``block_tables`` the prompt attends to itself (expanded K/V of its own latents;
@@ -69,19 +70,24 @@ class MLA(nn.Module):
         ``positions`` must be those positions): its latents are written first, then it attends
         to positions [0, ctx_len) read from the cache, expanded through kv_b_proj one segment at
         a time (layers/prefill_attention.py; the expanded form beats the absorbed one from about
-        170 query tokens a chunk, docs/architecture.md). Both paths are memory-bounded: no
-        [S, S] scores (layers/prefill_attention.py)."""
+        170 query tokens a chunk, docs/architecture.md). With ``cu_seqlens`` [B + 1] the prompts
+        are packed in one stream: x [T, H], positions and slots [T], seq_lens unused, and each
+        prompt attends to itself (``packed_prefill_attention``). Every path is memory-bounded:
+        no [S, S] scores (layers/prefill_attention.py)."""
         c = self.cfg
-        B, S, _ = x.shape
         nh, dn, dv, C = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-        q_nope, q_rope = self._query(x, positions)
+        check_prefill_mode(x, cu_seqlens, block_tables)
+        q_nope, q_rope = self._query(x, positions)  # [..., nh, dn], [..., nh, R]
         lat = self._latent(x, positions)
         if cache is not None:
-            cache = write_cache(cache, self.layer, slots.reshape(-1), lat.reshape(B * S, -1))
+            cache = write_cache(cache, self.layer, slots.reshape(-1), lat.reshape(-1, lat.shape[-1]))
         kw = dict(scale=c.softmax_scale, v_offset=dn, v_dim=dv, out_dtype=x.dtype)
         if block_tables is None:
-            kv = self.kv_b_proj(lat[..., :C]).reshape(B, S, nh, dn + dv)  # [k_nope | v] per head
-            o = prefill_attention(q_nope, kv, seq_lens, q_rope=q_rope, k_rope=lat[..., C:], **kw)
+            kv = self.kv_b_proj(lat[..., :C]).reshape(*lat.shape[:-1], nh, dn + dv)  # [k_nope | v] per head
+            if cu_seqlens is None:
+                o = prefill_attention(q_nope, kv, seq_lens, q_rope=q_rope, k_rope=lat[..., C:], **kw)
+            else:
+                o = packed_prefill_attention(q_nope, kv, cu_seqlens, q_rope=q_rope, k_rope=lat[..., C:], **kw)
         else:
             if cache is None or block_size is None:
                 raise ValueError("prefill over the paged cache needs cache, slots and block_size")
@@ -94,7 +100,7 @@ class MLA(nn.Module):
             o = paged_prefill_attention(q_nope, cache, block_tables, seq_lens,
                                         seq_lens if ctx_lens is None else ctx_lens, block_size, expand=expand,
                                         row_dim=C + c.qk_rope_head_dim, q_rope=q_rope, layer=self.layer, **kw)
-        return self.o_proj(o.reshape(B, S, nh * dv)), cache
+        return self.o_proj(o.reshape(*x.shape[:-1], nh * dv)), cache
 
     def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size: int):
         """x [B, H] one new token per sequence, already counted in seq_lens."""

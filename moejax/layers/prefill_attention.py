@@ -9,6 +9,12 @@ of ``block_q`` tokens (``lax.map``), each walking key blocks of ``block_k`` (``f
 to the chunk's last position only) with an online softmax. Either way the largest
 temporary is one chunk's [B, heads, block_q, block_k] float32 scores, whatever S is.
 
+``packed_prefill_attention`` is the same for whole prompts packed back to back in one token
+stream (q [T, H, Dk], kv [T, Hk, W], cumulative offsets ``cu_seqlens`` [B + 1]; each prompt
+attends causally to its own tokens, nothing is padded to the longest prompt): the kernel's
+packed grid, or the XLA path here over the stream as one sequence with segment ids masking
+keys of other prompts.
+
 ``paged_prefill_attention`` is the chunked-prefill form: keys for positions [0, ctx_len) are
 read from the paged cache through the block table, one segment of ``segment`` tokens at a
 time (gathered, dequantised for an FP8 cache, expanded by the caller's ``expand``), and the
@@ -30,7 +36,8 @@ import jax.numpy as jnp
 from moejax import kernel_selection
 from moejax.layers.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
 from moejax.layers.linear import einsum_f32
-from pallas_kernels.flash_prefill_attention import flash_prefill_attention
+from pallas_kernels.flash_prefill_attention import (check_packed, flash_packed_prefill_attention,
+                                                    flash_prefill_attention)
 
 
 def _lengths(B, seq_lens, ctx_lens, kv_start):
@@ -46,6 +53,36 @@ def xla_prefill_attention(q, kv, seq_lens, ctx_lens=None, kv_start=None, *, scal
     """The XLA path of ``prefill_attention`` (same arguments and results as
     pallas_kernels.flash_prefill_attention.flash_prefill_attention), blocked over query chunks
     of ``block_q`` tokens and key blocks of ``block_k``."""
+    seq_lens, ctx_lens, kv_start = _lengths(q.shape[0], seq_lens, ctx_lens, kv_start)
+    return _xla_blocked(q, kv, seq_lens, ctx_lens, kv_start, None, scale=scale, q_rope=q_rope, k_rope=k_rope,
+                        v_offset=v_offset, v_dim=v_dim, block_q=block_q, block_k=block_k, out_dtype=out_dtype,
+                        return_lse=return_lse)
+
+
+def xla_packed_prefill_attention(q, kv, cu_seqlens, *, scale: float, q_rope=None, k_rope=None,
+                                 v_offset: int | None = None, v_dim: int | None = None, block_q: int = 256,
+                                 block_k: int = 512, out_dtype=jnp.float32, return_lse: bool = False):
+    """The XLA path of ``packed_prefill_attention`` (same arguments and results as
+    pallas_kernels.flash_prefill_attention.flash_packed_prefill_attention): the stream as one
+    sequence of cu_seqlens[B] live tokens, blocked like ``xla_prefill_attention``, with a key
+    seeing a query only inside the query's own sequence (segment ids). A query chunk walks the
+    keys from its first token's sequence start, not from the stream's."""
+    check_packed(q, kv, cu_seqlens)
+    T = q.shape[0]
+    cu = cu_seqlens.astype(jnp.int32)
+    segment = jnp.searchsorted(cu[1:], jnp.arange(T, dtype=jnp.int32), side="right").astype(jnp.int32)
+    n = cu[-1:]
+    r = None if q_rope is None else q_rope[None]
+    out = _xla_blocked(q[None], kv[None], n, n, jnp.zeros((1,), jnp.int32), (segment, cu), scale=scale, q_rope=r,
+                       k_rope=None if k_rope is None else k_rope[None], v_offset=v_offset, v_dim=v_dim,
+                       block_q=block_q, block_k=block_k, out_dtype=out_dtype, return_lse=return_lse)
+    return (out[0][0], out[1][0]) if return_lse else out[0]
+
+
+def _xla_blocked(q, kv, seq_lens, ctx_lens, kv_start, segments, *, scale, q_rope, k_rope, v_offset, v_dim,
+                 block_q, block_k, out_dtype, return_lse):
+    """Both XLA paths. ``segments``: None (batched), or for a packed stream (B = 1) the sequence
+    of each token [T] and cu_seqlens: keys outside a query's sequence are masked."""
     B, Tq, H, Dk = q.shape
     _, Tk, Hk, _ = kv.shape
     g = H // Hk
@@ -53,17 +90,19 @@ def xla_prefill_attention(q, kv, seq_lens, ctx_lens=None, kv_start=None, *, scal
     Dv = v_dim or Dk
     R = 0 if q_rope is None else q_rope.shape[-1]
     cdt = q.dtype
-    seq_lens, ctx_lens, kv_start = _lengths(B, seq_lens, ctx_lens, kv_start)
     bq, bk = min(block_q, Tq), min(block_k, Tk)
     nq, nk = -(-Tq // bq), -(-Tk // bk)
-    pad = lambda x, n, axis=1: x if n == x.shape[axis] else jnp.pad(  # noqa: E731
-        x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+    pad = lambda x, n, axis=1, value=0: x if n == x.shape[axis] else jnp.pad(  # noqa: E731
+        x, [(0, n - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)], constant_values=value)
     qg = pad(q, nq * bq).reshape(B, nq * bq, Hk, g, Dk)
     qrg = pad(q_rope.astype(cdt), nq * bq).reshape(B, nq * bq, Hk, g, R) if R else None
     kvp = pad(kv.astype(cdt), nk * bk)
     krp = pad(k_rope.astype(cdt), nk * bk) if R else None
     q0 = ctx_lens - seq_lens  # position of query 0
     kv_len = jnp.clip(ctx_lens - kv_start, 0, Tk)
+    if segments is not None:
+        seg, cu = segments
+        seg_q, seg_k = pad(seg, nq * bq, 0, -1), pad(seg, nk * bk, 0, -2)  # padding matches nothing
 
     def chunk(i):
         tok = i * bq + jnp.arange(bq, dtype=jnp.int32)  # [bq]
@@ -74,6 +113,10 @@ def xla_prefill_attention(q, kv, seq_lens, ctx_lens=None, kv_start=None, *, scal
         last = jnp.minimum(i * bq + bq - 1, seq_lens - 1)
         hi = jnp.where(i * bq < seq_lens, jnp.clip(jnp.minimum(kv_len, q0 + last - kv_start + 1), 0, Tk), 0)
         n_blocks = jnp.max((hi + bk - 1) // bk)  # the chunk's furthest key, over the batch
+        first_block = 0
+        if segments is not None:  # keys before the chunk's first sequence are nobody's in it
+            sq = jax.lax.dynamic_slice_in_dim(seg_q, i * bq, bq)
+            first_block = cu[jnp.clip(sq[0], 0, cu.shape[0] - 1)] // bk
 
         def body(j, carry):
             m, l, acc = carry  # [B, Hk, g, bq] x2, [B, Hk, g, bq, Dv]
@@ -85,6 +128,8 @@ def xla_prefill_attention(q, kv, seq_lens, ctx_lens=None, kv_start=None, *, scal
             kj = j * bk + jnp.arange(bk, dtype=jnp.int32)
             ok = (kj[None, None, :] < kv_len[:, None, None]) & \
                  (kv_start[:, None, None] + kj[None, None, :] <= qpos[:, :, None])  # [B, bq, bk]
+            if segments is not None:
+                ok = ok & (jax.lax.dynamic_slice_in_dim(seg_k, j * bk, bk)[None, None, :] == sq[None, :, None])
             s = jnp.where(ok[:, None, None], s * scale, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             alpha = jnp.exp(m - m_new)
@@ -96,7 +141,7 @@ def xla_prefill_attention(q, kv, seq_lens, ctx_lens=None, kv_start=None, *, scal
         f32 = jnp.float32
         init = (jnp.full((B, Hk, g, bq), -1e30, f32), jnp.zeros((B, Hk, g, bq), f32),
                 jnp.zeros((B, Hk, g, bq, Dv), f32))
-        m, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+        m, l, acc = jax.lax.fori_loop(first_block, n_blocks, body, init)
         has = (l > 0) & live[:, None, None, :]
         safe = jnp.where(has, l, 1.0)
         o = jnp.where(has[..., None], acc / safe[..., None], 0.0).astype(out_dtype)
@@ -127,6 +172,37 @@ def prefill_attention(q, kv, seq_lens, ctx_lens=None, kv_start=None, *, scale: f
     fn = flash_prefill_attention if c.impl == "pallas" else xla_prefill_attention
     return fn(q, kv, seq_lens, ctx_lens, kv_start, scale=float(scale), q_rope=q_rope, k_rope=k_rope,
               v_offset=v_offset, v_dim=v_dim, out_dtype=out_dtype, return_lse=return_lse, **c.params)
+
+
+def packed_prefill_attention(q, kv, cu_seqlens, *, scale: float, q_rope=None, k_rope=None,
+                             v_offset: int | None = None, v_dim: int | None = None, out_dtype=jnp.float32,
+                             return_lse: bool = False, mode: str | None = None):
+    """Causal self-attention of whole prompts packed in one token stream (Pallas kernel or XLA blocked).
+
+    q [T, H, Dk]; kv [T, Hk, W]; q_rope [T, H, R] / k_rope [T, R] or None; cu_seqlens [B + 1]:
+    sequence b is the tokens [cu_seqlens[b], cu_seqlens[b + 1]) at positions 0, 1, ...
+    -> [T, H, Dv] in out_dtype (and the log-sum-exp [T, H]); tokens past cu_seqlens[B] are zeros.
+    The selection is the batched one's for one sequence of T tokens."""
+    T, H, Dk = q.shape
+    Hk = kv.shape[1]
+    R = 0 if q_rope is None else q_rope.shape[-1]
+    c = kernel_selection.select_prefill(1, T, T, H, Hk, Dk, R, v_dim or Dk, q.dtype, mode)
+    fn = flash_packed_prefill_attention if c.impl == "pallas" else xla_packed_prefill_attention
+    return fn(q, kv, cu_seqlens, scale=float(scale), q_rope=q_rope, k_rope=k_rope, v_offset=v_offset, v_dim=v_dim,
+              out_dtype=out_dtype, return_lse=return_lse, **c.params)
+
+
+def check_prefill_mode(x, cu_seqlens, block_tables) -> None:
+    """An attention layer's prefill input: [B, S, hidden], or [T, hidden] for a packed stream
+    (``cu_seqlens``), which attends to itself only (no paged context)."""
+    if cu_seqlens is None:
+        if x.ndim != 3:
+            raise ValueError(f"x must be [batch, tokens, hidden] (or [T, hidden] with cu_seqlens), got {x.shape}")
+        return
+    if block_tables is not None:
+        raise ValueError("cu_seqlens (packed prefill) and block_tables (chunks over the paged cache) do not combine")
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, hidden] with cu_seqlens (a packed stream), got {x.shape}")
 
 
 def merge_partials(o_a, lse_a, o_b, lse_b):

@@ -51,11 +51,13 @@ class PreNormDecoderLayer(nn.Module):
         """valid: which tokens are real (padding is not routed to experts)."""
         return self.mlp(x, valid) if self.cfg.is_moe_layer(self.layer) else self.mlp(x)
 
-    def prefill(self, x, positions, seq_lens, cache, slots, block_tables=None, ctx_lens=None, block_size=None):
+    def prefill(self, x, positions, seq_lens, cache, slots, block_tables=None, ctx_lens=None, block_size=None,
+                cu_seqlens=None):
         a, cache = self.self_attn.prefill(self.input_layernorm(x), positions, seq_lens, cache, slots, block_tables,
-                                          ctx_lens, block_size)
+                                          ctx_lens, block_size, cu_seqlens)
         h = x + a
-        return h + self.ffn(self.post_attention_layernorm(h), real_tokens(cache, slots)), cache
+        valid = real_tokens(cache, slots) if cu_seqlens is None else jnp.arange(x.shape[0]) < cu_seqlens[-1]
+        return h + self.ffn(self.post_attention_layernorm(h), valid), cache
 
     def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size):
         a, cache = self.self_attn.decode(self.input_layernorm(x), positions, cache, slots, block_tables,
@@ -80,15 +82,20 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(c.hidden_size, c.vocab_size, self.dtype, self.fp8.scheme("lm_head"))
 
     def prefill(self, tokens, positions, seq_lens, cache=None, slots=None, block_tables=None, ctx_lens=None,
-                block_size: int | None = None):
+                block_size: int | None = None, cu_seqlens=None):
         """tokens [B, S] -> final hidden states [B, S, H] (before the last norm), cache.
 
         With ``block_tables`` [B, nb] (and ``block_size``): a chunk of a longer prompt, the last
         seq_lens[b] positions of a context of ctx_lens[b] tokens whose earlier rows are already
-        in the cache; attention reads the whole context from the cache (layers/prefill_attention.py)."""
+        in the cache; attention reads the whole context from the cache (layers/prefill_attention.py).
+        With ``cu_seqlens`` [B + 1] (packed prefill): tokens, positions and slots [T] hold whole
+        prompts back to back, prompt b the tokens [cu_seqlens[b], cu_seqlens[b + 1]) (seq_lens
+        unused; padding tokens after cu_seqlens[B] write to an out-of-range slot and are not
+        routed to experts) -> hidden states [T, H]. Only attention reads the offsets."""
         h = self.embed_tokens(tokens)
         for layer in self.layers:
-            h, cache = layer.prefill(h, positions, seq_lens, cache, slots, block_tables, ctx_lens, block_size)
+            h, cache = layer.prefill(h, positions, seq_lens, cache, slots, block_tables, ctx_lens, block_size,
+                                     cu_seqlens)
         return h, cache
 
     def decode(self, tokens, positions, cache, slots, block_tables, seq_lens, block_size: int):
