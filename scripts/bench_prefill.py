@@ -8,6 +8,13 @@ each attention path in the same process, beside the compute floor measured in th
       --points 1x2048,1x8192,1x32768,8x2048,32x2048 --kernels auto,xla,full --json prefill.json
   python scripts/bench_prefill.py --check --sweep    # kernel vs float64 on the device; its tilings alone
   python scripts/bench_prefill.py --smoke            # tiny models on the CPU, in seconds
+  python scripts/bench_prefill.py --preset deepseek-v2-lite --mixed 2000,30,500,1200,64,17,900,300
+
+--mixed LENS: one prefill step of prompts of those lengths (a comma list; several lists joined by
+"/") as the engine runs whole prompts, packed back to back in one stream (cu_seqlens, the stream
+bucketed by model_runner.packed_bucket), against the same prompts padded to [B, next pow2 of the
+longest] (the layout before packing), both on the "auto" path: step time, tokens computed and
+useful input tokens/s.
 
 Paths (--kernels): "auto" / "pallas" / "xla": ``moejax.load(kernels=...)`` for the whole model
 ("auto" on GPU: the flash prefill kernel, kernel_selection.select_prefill, and the Pallas MoE;
@@ -44,6 +51,7 @@ sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 import moejax.layers.mfa as mfa_mod  # noqa: E402
 import moejax.layers.mla as mla_mod  # noqa: E402
 from moejax.benchmark.roofline import measure_matmul_rate, time_call  # noqa: E402
+from moejax.engine.model_runner import next_pow2, packed_bucket  # noqa: E402
 from moejax.kernel_selection import kernel_mode, select_prefill  # noqa: E402
 from moejax.layers.linear import einsum_f32  # noqa: E402
 from moejax.layers.prefill_attention import prefill_attention, xla_prefill_attention  # noqa: E402
@@ -222,6 +230,57 @@ def run_point(m, cfg, B: int, S: int, path: str, a, dtype, iters: int, warmup: i
     return out
 
 
+def run_mixed(m, cfg, lens: list[int], dtype, iters: int, warmup: int) -> dict:
+    """Prompts of ``lens`` tokens in one prefill step: packed (one stream, cu_seqlens) and padded
+    ([B, next pow2 of the longest]); the same tokens, the last token's logits of each prompt."""
+    module, L, B = m.module._module, cfg.num_hidden_layers, len(lens)
+    n = sum(lens)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, cfg.vocab_size, k) for k in lens]
+    T, S = packed_bucket(n), next_pow2(max(lens), 16)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    layouts = {}
+    tokens = np.zeros(T, np.int32)
+    tokens[:n] = np.concatenate(prompts)
+    pos = np.zeros(T, np.int32)
+    pos[:n] = np.concatenate([np.arange(k) for k in lens])
+    slots = np.full(T, T, np.int32)  # one past the cache: padding writes are dropped
+    slots[:n] = np.arange(n)
+    layouts["packed"] = (T, (tokens, pos, slots, cu))
+    tok2, pos2 = np.zeros((B, S), np.int32), np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy()
+    slots2 = np.full((B, S), B * S, np.int32)
+    for b, (p, c0) in enumerate(zip(prompts, cu)):
+        tok2[b, :len(p)] = p
+        slots2[b, :len(p)] = c0 + np.arange(len(p))
+    layouts["padded"] = (B * S, (tok2, pos2, slots2, np.asarray(lens, np.int32)))
+
+    def packed(params, routing, cache, tokens, pos, slots, cu):
+        v = {"params": params, "routing": routing}
+        h, cache = module.apply(v, tokens, pos, None, cache, slots, cu_seqlens=cu, method="prefill")
+        return cache, module.apply(v, h[cu[1:] - 1], method="logits")
+
+    def padded(params, routing, cache, tokens, pos, slots, seq_lens):
+        v = {"params": params, "routing": routing}
+        h, cache = module.apply(v, tokens, pos, seq_lens, cache, slots, method="prefill")
+        return cache, module.apply(v, h[jnp.arange(B), seq_lens - 1], method="logits")
+
+    out, logits = {"lens": lens, "tokens": n}, {}
+    for name, fn in (("packed", packed), ("padded", padded)):
+        computed, args = layouts[name]
+        cache = jnp.zeros((L, max(T, B * S) + 1, cfg.kv_cache_dim), dtype)
+        args = [jnp.asarray(x) for x in args]
+        step = jax.jit(fn, donate_argnums=(2,))
+        ts = time_steps(step, (m.params, m.routing, *args), cache, iters, warmup)
+        med = statistics.median(ts)
+        logits[name] = step(m.params, m.routing, jnp.zeros_like(cache), *args)[1]
+        out[name] = {"step_s": med, "tokens_computed": computed, "useful_tok_per_s": n / med}
+        del cache, step
+        gc.collect()
+    out["packed_speedup"] = out["padded"]["step_s"] / out["packed"]["step_s"]
+    out["logits_rel_err"] = rel_err(logits["packed"], logits["padded"])
+    return out
+
+
 def bench_preset(name: str, a_args, rate: float, results: dict, save) -> None:
     hf = preset(name)
     if a_args.layers:
@@ -239,7 +298,23 @@ def bench_preset(name: str, a_args, rate: float, results: dict, save) -> None:
     print(f"\n{name}: {cfg.num_hidden_layers} layers, {a['H']} heads over {a['Hk']} K/V heads, "
           f"qk {a['Dk']}+{a['R']}, v {a['Dv']} (weights in {time.perf_counter() - t0:.0f} s)")
     res = results["presets"].setdefault(name, {"layers": cfg.num_hidden_layers, "attention": a, "points": {}})
-    for point in a_args.points.split(","):
+    for spec in filter(None, (a_args.mixed or "").split("/")):
+        lens = [int(x) for x in spec.split(",")]
+        with kernel_mode("auto"):
+            r = run_mixed(m, cfg, lens, dtype, a_args.iters, a_args.warmup)
+        res.setdefault("mixed", {})[spec] = r
+        pk, pd = r["packed"], r["padded"]
+        print(f"  mixed {spec}: packed {pk['step_s'] * 1e3:.2f} ms ({pk['tokens_computed']} tokens computed, "
+              f"{pk['useful_tok_per_s']:.0f} tok/s) vs padded {pd['step_s'] * 1e3:.2f} ms "
+              f"({pd['tokens_computed']} tokens, {pd['useful_tok_per_s']:.0f} tok/s): x{r['packed_speedup']:.2f}, "
+              f"logits rel err {r['logits_rel_err']:.1e}")
+        sys.stdout.flush()
+        save()
+    if a_args.mixed and not a_args.points:
+        del m, params
+        gc.collect()
+        return
+    for point in filter(None, a_args.points.split(",")):
         B, S = (int(x) for x in point.lower().split("x"))
         mm, at = step_flops(cfg, B, S)
         floor = (mm + at) / rate
@@ -398,6 +473,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--mixed", default="", help="prompt lengths of one packed-vs-padded step, comma list; "
+                                                  "several joined by '/'")
     ap.add_argument("--sweep", action="store_true", help="only the kernel block-size sweep (attention alone)")
     ap.add_argument("--sweep-point", default="1x8192")
     ap.add_argument("--check", action="store_true", help="first check the kernel against float64 on this device")

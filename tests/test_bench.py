@@ -174,3 +174,17 @@ def test_a_failing_variant_is_recorded_and_the_others_kept(tmp_path, monkeypatch
     assert res["failed"]["xla"]["none"].startswith("RESOURCE_EXHAUSTED")
     (row,) = sweep.main(["--collect", str(out), "--out-dir", str(tmp_path / "t")])
     assert row["xla_tok_per_s"] is None and row["failed"].startswith("xla: RESOURCE_EXHAUSTED")
+
+
+def test_prefill_bench_packed_against_padded(tmp_path):
+    """scripts/bench_prefill.py --mixed (tiny models, CPU): the packed step computes the prompts'
+    tokens rounded to its bucket, fewer than the padded [B, pow2] layout, and both give each
+    prompt's last logits alike (bf16: the padded layout is the reference)."""
+    import bench_prefill
+    out = tmp_path / "prefill.json"
+    bench_prefill.main(["--smoke", "--mixed", "30,5,17", "--kernels", "xla", "--json", str(out)])
+    res = json.loads(out.read_text())["presets"]
+    for name in ("v3-tiny", "step3-tiny"):
+        r = res[name]["mixed"]["30,5,17"]
+        assert r["tokens"] == 52 and r["packed"]["tokens_computed"] == 64 and r["padded"]["tokens_computed"] == 96
+        assert r["logits_rel_err"] < 2e-2 and r["packed"]["step_s"] > 0
