@@ -300,8 +300,17 @@ def bench_preset(name: str, a_args, rate: float, results: dict, save) -> None:
     res = results["presets"].setdefault(name, {"layers": cfg.num_hidden_layers, "attention": a, "points": {}})
     for spec in filter(None, (a_args.mixed or "").split("/")):
         lens = [int(x) for x in spec.split(",")]
-        with kernel_mode("auto"):
-            r = run_mixed(m, cfg, lens, dtype, a_args.iters, a_args.warmup)
+        try:
+            with kernel_mode("auto"):
+                r = run_mixed(m, cfg, lens, dtype, a_args.iters, a_args.warmup)
+        except Exception as e:  # noqa: BLE001  (record it, go on with the points)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            traceback.print_exc()
+            res.setdefault("mixed", {})[spec] = {"failed": why}
+            print(f"  mixed {spec}: failed: {why}")
+            gc.collect()
+            save()
+            continue
         res.setdefault("mixed", {})[spec] = r
         pk, pd = r["packed"], r["padded"]
         print(f"  mixed {spec}: packed {pk['step_s'] * 1e3:.2f} ms ({pk['tokens_computed']} tokens computed, "
