@@ -244,11 +244,13 @@ def run_mixed(m, cfg, lens: list[int], dtype, iters: int, warmup: int) -> dict:
     tokens[:n] = np.concatenate(prompts)
     pos = np.zeros(T, np.int32)
     pos[:n] = np.concatenate([np.arange(k) for k in lens])
-    slots = np.full(T, T, np.int32)  # one past the cache: padding writes are dropped
+    rows = max(T, B * S)  # cache rows; slot ``rows`` is out of range: padding writes are dropped and
+    # padding is not taken for real tokens (decoder.real_tokens)
+    slots = np.full(T, rows, np.int32)
     slots[:n] = np.arange(n)
     layouts["packed"] = (T, (tokens, pos, slots, cu))
     tok2, pos2 = np.zeros((B, S), np.int32), np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy()
-    slots2 = np.full((B, S), B * S, np.int32)
+    slots2 = np.full((B, S), rows, np.int32)
     for b, (p, c0) in enumerate(zip(prompts, cu)):
         tok2[b, :len(p)] = p
         slots2[b, :len(p)] = c0 + np.arange(len(p))
@@ -267,7 +269,7 @@ def run_mixed(m, cfg, lens: list[int], dtype, iters: int, warmup: int) -> dict:
     out, logits = {"lens": lens, "tokens": n}, {}
     for name, fn in (("packed", packed), ("padded", padded)):
         computed, args = layouts[name]
-        cache = jnp.zeros((L, max(T, B * S) + 1, cfg.kv_cache_dim), dtype)
+        cache = jnp.zeros((L, rows, cfg.kv_cache_dim), dtype)
         args = [jnp.asarray(x) for x in args]
         step = jax.jit(fn, donate_argnums=(2,))
         ts = time_steps(step, (m.params, m.routing, *args), cache, iters, warmup)
