@@ -1,7 +1,7 @@
 """The server under faults and hostile input: an engine step that raises, an engine that dies,
 graceful shutdown (in process and by SIGTERM to scripts/serve.py), strict validation (non-finite
 numbers, unbounded integers, lone surrogates, deep JSON, 405/413/415), the access policy (API key,
-Host, CORS), top logprobs refused, prompt length checked before tokenising, the KV-capacity check
+Host, CORS), logprobs bounds, prompt length checked before tokenising, the KV-capacity check
 at start-up and one-line errors for corrupt checkpoint files."""
 
 import json
@@ -162,22 +162,25 @@ def test_unknown_fields_ignored_with_a_warning(server, caplog):
     assert any(key in r.getMessage() for r in caplog.records)
 
 
-def test_top_logprobs_refused_not_silently_null(server):
-    """logprobs N > 0 (completions) and top_logprobs N > 0 (chat) get 400; logprobs 0 / true give the
-    sampled tokens' logprobs with empty alternatives, never null."""
-    n = int(np.random.default_rng().integers(1, 21))
-    status, body = _post(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": n})
-    _assert_error(status, body, 400, "logprobs")
-    status, body = _post(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                              "logprobs": True, "top_logprobs": n, "max_tokens": 2})
+def test_logprobs_bounds_and_empty_alternatives(server):
+    """logprobs N (completions) / top_logprobs N (chat) above 20: 400 naming the field; top_logprobs without
+    logprobs: true: 400; N = 0 gives the sampled tokens' logprobs with empty alternatives, never null."""
+    rng = np.random.default_rng()
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for n in (21, int(rng.integers(22, 10**6))):
+        status, body = _post(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": n})
+        _assert_error(status, body, 400, "logprobs")
+        status, body = _post(server.url, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": n})
+        _assert_error(status, body, 400, "top_logprobs")
+    status, body = _post(server.url, "/v1/chat/completions", {**chat, "top_logprobs": int(rng.integers(1, 21))})
     _assert_error(status, body, 400, "top_logprobs")
     status, body = _post(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": 0})
     lp = body["choices"][0]["logprobs"]
     assert status == 200 and len(lp["token_logprobs"]) == 3 and lp["top_logprobs"] == [{}, {}, {}]
-    status, body = _post(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                              "logprobs": True, "max_tokens": 2})
-    content = body["choices"][0]["logprobs"]["content"]
-    assert status == 200 and len(content) == 2 and all(c["top_logprobs"] == [] for c in content)
+    for extra in ({}, {"top_logprobs": 0}):
+        status, body = _post(server.url, "/v1/chat/completions", {**chat, "logprobs": True, **extra})
+        content = body["choices"][0]["logprobs"]["content"]
+        assert status == 200 and len(content) == 2 and all(c["top_logprobs"] == [] for c in content)
 
 
 def test_methods_media_types_and_sizes(model):

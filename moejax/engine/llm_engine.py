@@ -100,10 +100,7 @@ class LLMEngine:
             return kind, []
         t0 = time.perf_counter()
         new_tokens = sum(s.num_new_tokens for s in seqs)
-        if kind == "prefill":
-            toks, lps = self.runner.prefill(seqs)
-        else:
-            toks, lps = self.runner.decode(seqs)
+        out = self.runner.prefill(seqs) if kind == "prefill" else self.runner.decode(seqs)
         dt = time.perf_counter() - t0
         self.balancer.record()  # expert counts of this step; may rebalance between steps
         if kind == "prefill":
@@ -120,18 +117,21 @@ class LLMEngine:
             self.blocks.cache_computed(seq)  # full blocks become prefix-cache hits for later requests
         # A chunk that leaves part of its prompt uncomputed samples nothing.
         stepped = [s for s in seqs if kind == "decode" or s.prefill_done]
-        by_id = {s.seq_id: (t, lp) for s, t, lp in zip(seqs, toks.tolist(), lps.tolist())}
+        by_id = {s.seq_id: sampled for s, sampled in zip(seqs, zip(out.tokens.tolist(), out.logprobs.tolist(),
+                                                                 out.top_logprobs))}
         if kind == "prefill":
             self.scheduler.prefilled(stepped)
         for seq in stepped:
             self._append(seq, *by_id[seq.seq_id])
         return kind, stepped
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
         p = seq.params
         seq.token_ids.append(token)
         if p.logprobs:
             seq.logprobs.append(logprob)
+        if p.top_logprobs:
+            seq.top_logprobs.append(top)
         reason = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"

@@ -45,6 +45,7 @@ class EngineDeadError(RuntimeError):
 class TokenEvent:
     token_id: int | None = None
     logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), descending, when asked
     finish_reason: str | None = None  # set on the last event of a request
     text: str | None = None  # final text (stop strings cut) on the last event
     error: str | None = None  # the request failed (its step raised, or the engine died, or shutdown)
@@ -199,8 +200,11 @@ class AsyncEngine:
                     stream = self._streams.get(seq.seq_id)
                     if stream is None:
                         continue
+                    p = seq.params
                     ev = TokenEvent(token_id=seq.token_ids[-1],
-                                    logprob=seq.logprobs[-1] if seq.params.logprobs and seq.logprobs else None)
+                                    logprob=seq.logprobs[-1] if p.logprobs and seq.logprobs else None,
+                                    top_logprobs=seq.top_logprobs[-1] if p.top_logprobs and seq.top_logprobs
+                                    else None)
                     stream.num_output += 1
                     if stream.first_token_time is None:
                         stream.first_token_time = now
