@@ -238,9 +238,11 @@ def test_serve_forwards_load_options():
     serve = _serve_module()
     ap = serve.build_parser()
     kw = serve.build_load_kwargs(ap.parse_args(["--parallel", "dp2-ep2", "--kv-cache-dtype", "fp8",
-                                                "--kernels", "xla", "--dtype", "float32", "--max-num-seqs", "4"]))
+                                                "--kernels", "xla", "--dtype", "float32", "--max-num-seqs", "4",
+                                                "--gpu-memory-utilization", "0.55"]))
     assert (kw["parallel"], kw["kv_cache_dtype"], kw["kernels"], kw["dtype"], kw["max_num_seqs"]) == \
         ("dp2-ep2", "fp8", "xla", "float32", 4)
+    assert kw["gpu_memory_utilization"] == 0.55
     kw = serve.build_load_kwargs(ap.parse_args([]))
     assert (kw["parallel"], kw["kv_cache_dtype"], kw["kernels"]) == (None, "auto", "auto")
     # everything forwarded is a moejax.load parameter, with the same default

@@ -56,13 +56,15 @@ def default_num_blocks(config: EngineConfig) -> int:
     want = sched.max_num_seqs * per_seq
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
-        budget = int(0.9 * stats["bytes_limit"]) - stats.get("bytes_in_use", 0) - (2 << 30)
+        budget = (int(cache.gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
+                  - STEP_RESERVE_BYTES)
     else:
-        budget = 2 << 30  # host memory: keep the cache modest
+        budget = HOST_CACHE_BYTES  # host memory: keep the cache modest
     n = min(want, max(budget // per_block, 0))
     if n < per_seq:
-        raise ValueError(f"not enough memory for one sequence of max_model_len={sched.max_model_len}: "
-                         "lower max_model_len or pass num_kv_blocks")
+        raise ValueError(f"not enough memory for one sequence of max_model_len={sched.max_model_len}: lower "
+                         f"max_model_len, raise gpu_memory_utilization (now {cache.gpu_memory_utilization}) or "
+                         "pass num_kv_blocks")
     return int(n)
 
 
