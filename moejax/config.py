@@ -42,6 +42,9 @@ class SchedulerConfig:
     max_model_len: int  # prompt + output tokens of one sequence
     max_num_seqs: int = 256  # per data-parallel rank
     max_prefill_tokens: int = 8192  # prompt tokens of one prefill step (longer prompts go in chunks)
+    # A sequence preempted more often than this is finished with an error instead of being recomputed
+    # again (a cache too small for the load could otherwise keep a request from ever finishing).
+    max_preemptions: int = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,7 @@ class EngineConfig:
                num_kv_blocks: int | None = None, max_prefill_tokens: int = 8192, kv_cache_dtype: str = "auto",
                kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
                fp8_variant: str = "w8a16", enable_prefix_caching: bool = True,
-               gpu_memory_utilization: float = 0.9) -> "EngineConfig":
+               gpu_memory_utilization: float = 0.9, max_preemptions: int = 16) -> "EngineConfig":
         """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
 
         ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8), "fp8" also
@@ -68,7 +71,8 @@ class EngineConfig:
         ``fp8_layers``: the layer types that run FP8 when weights are FP8 (moejax/layers/fp8_policy.py;
         "default" or a comma list). ``fp8_variant``: "w8a16" or "w8a8".
         ``gpu_memory_utilization`` (0, 1]: the share of device memory the cache is sized to fill when
-        ``num_kv_blocks`` is None."""
+        ``num_kv_blocks`` is None. ``max_preemptions``: how often a sequence may be preempted before
+        it is finished with an error."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kernels not in KERNEL_MODES:
@@ -90,6 +94,8 @@ class EngineConfig:
         if (not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
                 or not 0 < gpu_memory_utilization <= 1):  # NaN fails the comparison too
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
+        if not isinstance(max_preemptions, int) or isinstance(max_preemptions, bool) or max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be a non-negative integer, got {max_preemptions!r}")
         if max_model_len is None:
             max_model_len = min(model.max_position_embeddings, 4096)
         if not _positive_int(max_model_len) or not 2 <= max_model_len <= model.max_position_embeddings:
@@ -114,7 +120,7 @@ class EngineConfig:
                 raise ValueError("moe_backend 'ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not "
                                  "implement; use 'a2a' or 'replicated' on CPU")
         return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels, fp8=fp8,
-                   scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens),
+                   scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens, max_preemptions),
                    cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching,
                                      float(gpu_memory_utilization)))
 

@@ -11,11 +11,12 @@ from moejax.engine.sampling_params import SamplingParams
 class GenerationResult:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string/token) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string/token), "length", or "error" (error says why)
     prompt_token_ids: list[int]
     logprobs: list[float] | None = None  # of each generated token, when asked
     # per generated token, when top_logprobs=N: {token id: logprob} of the N most likely, descending
     top_logprobs: list[dict[int, float]] | None = None
+    error: str | None = None  # why a sequence was given up (finish_reason "error")
 
 
 def _prompt_ids(model, prompt, i: int) -> list[int]:
@@ -60,5 +61,5 @@ def generate(model, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
     return [GenerationResult(text=s.text, token_ids=s.output_ids, finish_reason=s.finish_reason,
                              prompt_token_ids=s.token_ids[:s.num_prompt_tokens],
                              logprobs=list(s.logprobs) if logprobs else None,
-                             top_logprobs=[dict(t) for t in s.top_logprobs] if top_logprobs else None)
-            for s in seqs]
+                             top_logprobs=[dict(t) for t in s.top_logprobs] if top_logprobs else None,
+                             error=s.error) for s in seqs]

@@ -90,6 +90,7 @@ def test_from_file(tmp_path):
     {"gpu_memory_utilization": 0}, {"gpu_memory_utilization": -0.5}, {"gpu_memory_utilization": 1.01},
     {"gpu_memory_utilization": float("nan")}, {"gpu_memory_utilization": float("inf")},
     {"gpu_memory_utilization": True}, {"gpu_memory_utilization": "0.9"}, {"gpu_memory_utilization": 10**400},
+    {"max_preemptions": -1}, {"max_preemptions": 1.5}, {"max_preemptions": True}, {"max_preemptions": None},
 ])
 def test_engine_config_bad_capacity_knobs_named(kw):
     """Invariant: a bad cache-capacity knob is refused by EngineConfig.create with an error naming it."""
@@ -115,6 +116,7 @@ def test_gpu_memory_utilization_sizes_the_cache(monkeypatch):
     rng = np.random.default_rng()
     u_lo, u_hi = float(rng.uniform(0.3, 0.6)), float(rng.uniform(0.7, 1.0))
     assert EngineConfig.create(cfg).cache.gpu_memory_utilization == 0.9  # vLLM's default
+    assert EngineConfig.create(cfg, max_preemptions=0).scheduler.max_preemptions == 0
     confs = {u: EngineConfig.create(cfg, dtype="float32", max_model_len=256, max_num_seqs=10**7,
                                     gpu_memory_utilization=u) for u in (u_lo, u_hi)}
     c = confs[u_lo]

@@ -170,7 +170,9 @@ def test_top_logprobs_match_score(tiny_path):
 
 
 def test_preemption_loses_nothing(tiny_path):
-    """A cache too small for every sequence at once forces preemption; outputs equal an unconstrained run."""
+    """A cache too small for every sequence at once forces preemption; outputs equal an unconstrained run.
+    With max_preemptions=0 each preempted sequence is given up at once instead: finish_reason "error" with
+    its error naming the bound, its tokens a prefix of the unconstrained run's; the others equal it."""
     rng = np.random.default_rng()
     prompts = _prompts(6, rng, 10, 30)
     big = _load(tiny_path)
@@ -180,6 +182,17 @@ def test_preemption_loses_nothing(tiny_path):
     assert small.engine.scheduler.num_preemptions > 0
     assert got == want
     assert small.engine.blocks.num_free == 16
+
+    bounded = _load(tiny_path, block_size=8, num_kv_blocks=16, max_model_len=128, max_preemptions=0)
+    res = moejax.generate(bounded, prompts, max_new_tokens=40, ignore_eos=True)
+    failed = [i for i, r in enumerate(res) if r.finish_reason == "error"]
+    assert len(failed) == bounded.engine.scheduler.num_preemptions > 0
+    for i, r in enumerate(res):
+        if i in failed:
+            assert "after 1 preemption(s) (max_preemptions=0)" in r.error and r.token_ids == want[i][:len(r.token_ids)]
+        else:
+            assert r.finish_reason == "length" and r.error is None and r.token_ids == want[i]
+    assert bounded.engine.blocks.num_free == 16 and not bounded.engine.has_unfinished()
 
 
 def test_eos_stops_unless_ignored(tiny_path):

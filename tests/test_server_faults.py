@@ -306,6 +306,58 @@ def test_step_fault_fails_only_its_requests(server, model):
     assert eng.blocks.num_free == eng.blocks.num_blocks  # the failed requests' blocks were freed
 
 
+def test_preempted_too_often_ends_with_an_error(tiny_path):
+    """A cache too small for the load with max_preemptions=0: a request preempted is given up with a 503 (a
+    stream: an error event naming the preemption, then [DONE]; non-streaming: the JSON error), the others
+    finish with all their tokens; the server stays healthy, request_errors counts the failures and every
+    KV block is free again."""
+    m = moejax.load(tiny_path, dtype="float32", block_size=8, num_kv_blocks=16, max_model_len=128, max_num_seqs=8,
+                    max_preemptions=0, progress=False)
+    srv = ServerThread(m, model_name=NAME).start()
+    try:
+        rng = np.random.default_rng()
+        # each needs up to 15 of the 16 blocks alone: any two running at once collide
+        bodies = [{"prompt": rng.integers(2, 300, size=int(rng.integers(20, 30))).tolist(), "max_tokens": 90,
+                   "ignore_eos": True, "return_token_ids": True} for _ in range(6)]
+        outs = [{} for _ in bodies]
+
+        def plain(body, out):
+            out["status"], out["body"] = _post(srv.url, "/v1/completions", body)
+
+        threads = [_stream_in_thread(srv.url, b, o) if i % 2 else threading.Thread(target=plain, args=(b, o))
+                   for i, (b, o) in enumerate(zip(bodies, outs))]
+        for t in threads[::2]:
+            t.start()
+        for t in threads:
+            t.join(120)
+        failed = 0
+        for i, o in enumerate(outs):
+            if i % 2:  # streamed
+                ev = o["events"]
+                assert o["status"] == 200 and ev[-1] == "[DONE]", ev[-3:]
+                if "error" in ev[-2]:
+                    failed += 1
+                    assert ev[-2]["error"]["code"] == 503 and "preemption" in ev[-2]["error"]["message"]
+                else:
+                    assert ev[-2]["choices"][0]["finish_reason"] == "length"
+                    assert sum(len(e["choices"][0]["token_ids"]) for e in ev[:-1] if e.get("choices")) == 90
+            elif o["status"] == 200:
+                assert o["body"]["usage"]["completion_tokens"] == 90
+            else:
+                failed += 1
+                _assert_error(o["status"], o["body"], 503)
+                assert "preemption" in o["body"]["error"]["message"]
+        assert failed > 0
+        metrics = parse_metrics(_request(srv.url, "/metrics")[2].decode())
+        assert metrics["moejax:request_errors_total"] == failed == metrics["vllm:num_preemptions_total"]
+        assert _health(srv.url) == 200
+        status, body = _post(srv.url, "/v1/completions", {"prompt": [3, 4, 5], "max_tokens": 5})
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1
+        assert m.engine.blocks.num_free == m.engine.blocks.num_blocks
+    finally:
+        srv.stop()
+
+
 class _FakeEngine:
     """Emits one token per step for every accepted sequence (after `delay` s), finishing each at its
     max_new_tokens; from step `die_at` on, every step raises with no sequence to blame (engine dead)."""
@@ -344,6 +396,9 @@ class _FakeEngine:
 
     def abort(self, seq):
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
+
+    def pop_failed(self):
+        return []
 
 
 def _fake_server(model, engine, shutdown_timeout=5.0, exit_on_engine_death=True):

@@ -60,7 +60,7 @@ class LLMEngine:
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, runner.num_ranks, runner.max_num_seqs,
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, runner.max_num_seqs * runner.num_ranks,
-                                   config.scheduler.max_prefill_tokens)
+                                   config.scheduler.max_prefill_tokens, config.scheduler.max_preemptions)
         self.stats = EngineStats()
         self._rng = random.Random()
 
@@ -91,6 +91,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def pop_failed(self) -> list[Sequence]:
+        """The sequences finished with an error (finish_reason "error", ``seq.error`` says why) since
+        the last call: preempted more than max_preemptions times."""
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        return failed
 
     def step(self) -> tuple[str, list[Sequence]]:
         """Runs one prefill or decode step. Returns (kind, sequences that got a token): a prefill
@@ -154,6 +160,7 @@ class LLMEngine:
         with tqdm(total=total, desc="Generating", unit="tok", disable=not progress) as bar:
             while any(not s.is_finished for s in seqs):
                 kind, stepped = self.step()
-                if kind == "idle":
+                self.pop_failed()  # they are finished: their results carry the error
+                if kind == "idle" and any(not s.is_finished for s in seqs):
                     raise RuntimeError("engine is idle with unfinished sequences")
                 bar.update(len(stepped))

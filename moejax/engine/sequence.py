@@ -35,6 +35,7 @@ class Sequence:
         # per output token, when params.top_logprobs: the most likely (token id, logprob), descending
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it was given up (finish_reason "error")
         self.text = ""
         self.num_preemptions = 0
 
