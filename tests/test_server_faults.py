@@ -212,6 +212,46 @@ def test_methods_media_types_and_sizes(model):
         srv.stop()
 
 
+class _SlowTokenizer:
+    """The model's tokenizer, except that encoding a text containing `mark` takes `delay` seconds (as a
+    20 MB prompt does)."""
+
+    def __init__(self, tok, mark: str, delay: float):
+        self.tok, self.mark, self.delay = tok, mark, delay
+
+    def encode(self, text, *args, **kw):
+        if self.mark in text:
+            time.sleep(self.delay)
+        return self.tok.encode(text, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_tokenising_runs_off_the_event_loop(server, model):
+    """While one prompt takes seconds to tokenise, the event loop keeps serving: /health and a token-id
+    completion are answered before it is done; the slow request then completes."""
+    mark, delay = "slow-" + os.urandom(4).hex(), 4.0
+    ctx = ServingContext((NAME,), _SlowTokenizer(model.tokenizer, mark, delay), MAX_LEN,
+                         model.config.model.vocab_size)
+    srv = ServerThread(app=build_app(server.aengine, ctx, AccessPolicy(bind_host="127.0.0.1"))).start()
+    try:
+        out = {}
+        slow = threading.Thread(target=lambda: out.update(
+            r=_post(srv.url, "/v1/completions", {"prompt": f"a {mark} b", "max_tokens": 2})), daemon=True)
+        t0 = time.perf_counter()
+        slow.start()
+        time.sleep(0.3)
+        assert _health(srv.url) == 200
+        status, body = _post(srv.url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        assert time.perf_counter() - t0 < delay - 1 and slow.is_alive()
+        slow.join(60)
+        assert out["r"][0] == 200 and out["r"][1]["usage"]["completion_tokens"] == 2
+    finally:
+        srv.stop()
+
+
 # ----- access policy ------------------------------------------------------------------------------
 
 def test_api_key_host_and_cors(server):
@@ -461,8 +501,10 @@ def test_graceful_shutdown_drains_then_aborts(model):
 
 
 def test_sigterm_exits_zero_with_streams_ended(tiny_path):
-    """scripts/serve.py under SIGTERM with a stream in flight: the stream ends with [DONE] (finished, or
-    aborted with an error event after --shutdown-timeout) and the process exits 0 within seconds."""
+    """scripts/serve.py under SIGTERM or SIGINT (drawn per run) with a stream in flight: the stream ends with
+    [DONE] (finished, or aborted with an error event after --shutdown-timeout) and the process exits 0
+    within seconds."""
+    sig = [signal.SIGTERM, signal.SIGINT][int(np.random.default_rng().integers(2))]
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "serve.py"), "--model", tiny_path,
@@ -483,7 +525,7 @@ def test_sigterm_exits_zero_with_streams_ended(tiny_path):
         t = _stream_in_thread(url, {"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True}, out)
         time.sleep(1.0)
         t0 = time.perf_counter()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         t.join(30)
         code = proc.wait(30)
         assert code == 0 and time.perf_counter() - t0 < 15
