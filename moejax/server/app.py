@@ -254,7 +254,8 @@ def build_app(aengine: AsyncEngine, ctx: protocol.ServingContext, policy: Access
     """The routes over a started AsyncEngine; ``policy``: API key, allowed origins, bound host (access.py)."""
     policy = policy or AccessPolicy()
     app = web.Application(middlewares=[error_middleware, access_middleware(policy)], client_max_size=max_body_bytes)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+    # two workers at least, so one huge prompt being tokenised does not hold up every other request
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 1)),
                                                  thread_name_prefix="moejax-parse")
     app[ENGINE_KEY], app[CTX_KEY], app[STATE_KEY] = aengine, ctx, ServerState(pool)
     app.on_response_prepare.append(add_cors_headers(policy))
