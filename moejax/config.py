@@ -32,6 +32,9 @@ class CacheConfig:
     num_blocks: int | None = None  # per data-parallel rank; None = fit max_num_seqs x max_model_len in memory
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3 rows with a per-row scale)
     enable_prefix_caching: bool = True  # reuse the cached blocks of a prompt's longest cached prefix
+    # With num_blocks None on a device that reports its memory: the fraction of it this engine may fill
+    # (weights, cache and a reserve for the step's buffers), as vLLM's --gpu-memory-utilization.
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,9 @@ class SchedulerConfig:
     max_model_len: int  # prompt + output tokens of one sequence
     max_num_seqs: int = 256  # per data-parallel rank
     max_prefill_tokens: int = 8192  # prompt tokens of one prefill step (longer prompts go in chunks)
+    # A sequence preempted more often than this is finished with an error instead of being recomputed
+    # again (a cache too small for the load could otherwise keep a request from ever finishing).
+    max_preemptions: int = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +62,17 @@ class EngineConfig:
                max_model_len: int | None = None, max_num_seqs: int = 256, block_size: int = 16,
                num_kv_blocks: int | None = None, max_prefill_tokens: int = 8192, kv_cache_dtype: str = "auto",
                kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
-               fp8_variant: str = "w8a16", enable_prefix_caching: bool = True) -> "EngineConfig":
+               fp8_variant: str = "w8a16", enable_prefix_caching: bool = True,
+               gpu_memory_utilization: float = 0.9, max_preemptions: int = 16) -> "EngineConfig":
         """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
 
         ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8), "fp8" also
         quantises a bf16 checkpoint to 128x128 blocks on load, "bf16" dequantises (the model dtype).
         ``fp8_layers``: the layer types that run FP8 when weights are FP8 (moejax/layers/fp8_policy.py;
-        "default" or a comma list). ``fp8_variant``: "w8a16" or "w8a8"."""
+        "default" or a comma list). ``fp8_variant``: "w8a16" or "w8a8".
+        ``gpu_memory_utilization`` (0, 1]: the share of device memory the cache is sized to fill when
+        ``num_kv_blocks`` is None. ``max_preemptions``: how often a sequence may be preempted before
+        it is finished with an error."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kernels not in KERNEL_MODES:
@@ -81,6 +91,11 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if num_kv_blocks is not None and not _positive_int(num_kv_blocks):
             raise ValueError(f"num_kv_blocks must be a positive integer or None, got {num_kv_blocks!r}")
+        if (not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
+                or not 0 < gpu_memory_utilization <= 1):  # NaN fails the comparison too
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
+        if not isinstance(max_preemptions, int) or isinstance(max_preemptions, bool) or max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be a non-negative integer, got {max_preemptions!r}")
         if max_model_len is None:
             max_model_len = min(model.max_position_embeddings, 4096)
         if not _positive_int(max_model_len) or not 2 <= max_model_len <= model.max_position_embeddings:
@@ -105,8 +120,9 @@ class EngineConfig:
                 raise ValueError("moe_backend 'ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not "
                                  "implement; use 'a2a' or 'replicated' on CPU")
         return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels, fp8=fp8,
-                   scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens),
-                   cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching))
+                   scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens, max_preemptions),
+                   cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching,
+                                     float(gpu_memory_utilization)))
 
     @property
     def num_ranks(self) -> int:

@@ -111,7 +111,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
          max_num_seqs: int = 256, block_size: int = 16, num_kv_blocks: int | None = None,
          max_prefill_tokens: int = 8192, progress: bool = True, kv_cache_dtype: str = "auto",
          kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "w8a16",
-         enable_prefix_caching: bool = True) -> Model:
+         enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
+         max_preemptions: int = 16) -> Model:
     """Loads an HF checkpoint directory of a registered family (DeepSeek-V2/V3, Step3), or one
     written by ``moejax.save``.
 
@@ -126,6 +127,9 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     projections; or a comma list, moejax/layers/fp8_policy.py); ``fp8_variant`` "w8a16" | "w8a8".
     ``max_prefill_tokens`` bounds one prefill step (longer prompts are prefilled in chunks);
     ``enable_prefix_caching`` reuses the KV blocks of a prompt's longest cached prefix.
+    ``gpu_memory_utilization`` (0, 1]: without ``num_kv_blocks``, the cache fills what is left of this
+    share of the device's memory after the weights (and a 2 GiB reserve); on CPU the cache is 2 GiB
+    at most. ``max_preemptions``: a sequence preempted more often is finished with an error.
     Every argument is checked by ``EngineConfig.create`` (moejax/config.py).
     """
     if not isinstance(path, str) or not os.path.isdir(path):
@@ -139,7 +143,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
                                  num_kv_blocks=num_kv_blocks, max_prefill_tokens=max_prefill_tokens,
                                  kv_cache_dtype=kv_cache_dtype, kernels=kernels, weight_dtype=weight_dtype,
                                  fp8_layers=fp8_layers, fp8_variant=fp8_variant,
-                                 enable_prefix_caching=enable_prefix_caching)
+                                 enable_prefix_caching=enable_prefix_caching,
+                                 gpu_memory_utilization=gpu_memory_utilization, max_preemptions=max_preemptions)
     placer = ParamPlacer(config)
     marker = os.path.join(path, MARKER)
     if os.path.exists(marker):

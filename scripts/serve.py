@@ -42,7 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="KV cache blocks per rank (default: max-num-seqs x max-model-len, within the memory that "
+                         "--gpu-memory-utilization leaves)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="share of the device's memory (weights, cache, a reserve for the step) the cache is "
+                         "sized to fill when --num-kv-blocks is not given; on CPU the cache is 2 GiB at most")
+    ap.add_argument("--max-preemptions", type=int, default=16,
+                    help="a request preempted more often than this is ended with an error (503) instead of "
+                         "being recomputed again")
     ap.add_argument("--max-prefill-tokens", type=int, default=8192,
                     help="tokens of one prefill step; longer prompts are prefilled in chunks")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -63,7 +71,8 @@ def build_load_kwargs(a: argparse.Namespace) -> dict:
     return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, block_size=a.block_size,
                 num_kv_blocks=a.num_kv_blocks, max_prefill_tokens=a.max_prefill_tokens, parallel=a.parallel,
                 kv_cache_dtype=a.kv_cache_dtype, kernels=a.kernels, weight_dtype=a.weight_dtype,
-                fp8_layers=a.fp8_layers, fp8_variant=a.fp8_variant, enable_prefix_caching=a.enable_prefix_caching)
+                fp8_layers=a.fp8_layers, fp8_variant=a.fp8_variant, enable_prefix_caching=a.enable_prefix_caching,
+                gpu_memory_utilization=a.gpu_memory_utilization, max_preemptions=a.max_preemptions)
 
 
 def main(argv=None) -> int:

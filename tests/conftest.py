@@ -63,6 +63,26 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def log_softmax(logits):
+    """float64 log-softmax over the last axis: the reference for logprobs."""
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def assert_top_logprobs(top, ref_row, n, atol=1e-4):
+    """``top``: the returned [(token id, logprob)] of one position; ``ref_row``: the reference log-softmax
+    there. min(n, vocab) distinct ids, descending; each logprob that of its id; the values those of the
+    reference's n best (compared as values: a near-tie may order two ids either way)."""
+    ids = [int(i) for i, _ in top]
+    lps = np.array([lp for _, lp in top], np.float64)
+    k = min(n, ref_row.size)
+    assert len(ids) == k and len(set(ids)) == k, (n, ids)
+    assert np.all(np.diff(lps) <= 0), lps
+    np.testing.assert_allclose(lps, ref_row[ids], atol=atol)
+    np.testing.assert_allclose(lps, np.sort(ref_row)[::-1][:k], atol=atol)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
     """HF-written tiny checkpoints of both families, with their torch reference models."""

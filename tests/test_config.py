@@ -1,7 +1,12 @@
 import json
 
+import jax
+import numpy as np
 import pytest
 
+from moejax.config import EngineConfig
+from moejax.engine.model_runner import HOST_CACHE_BYTES, STEP_RESERVE_BYTES, default_num_blocks
+from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim
 from moejax.models.registry import load_model_config, parse_model_config
 from moejax.tiny.presets import preset
 
@@ -79,3 +84,55 @@ def test_from_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(preset("v3-tiny")))
     c = load_model_config(str(tmp_path))
     assert c.model_type == "deepseek_v3" and c == parse_model_config(preset("v3-tiny"))
+
+
+@pytest.mark.parametrize("kw", [
+    {"gpu_memory_utilization": 0}, {"gpu_memory_utilization": -0.5}, {"gpu_memory_utilization": 1.01},
+    {"gpu_memory_utilization": float("nan")}, {"gpu_memory_utilization": float("inf")},
+    {"gpu_memory_utilization": True}, {"gpu_memory_utilization": "0.9"}, {"gpu_memory_utilization": 10**400},
+    {"max_preemptions": -1}, {"max_preemptions": 1.5}, {"max_preemptions": True}, {"max_preemptions": None},
+])
+def test_engine_config_bad_capacity_knobs_named(kw):
+    """Invariant: a bad cache-capacity knob is refused by EngineConfig.create with an error naming it."""
+    cfg = parse_model_config(preset("v3-tiny"))
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        EngineConfig.create(cfg, **kw)
+
+
+class _FakeDevice:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_gpu_memory_utilization_sizes_the_cache(monkeypatch):
+    """default_num_blocks on a device that reports its memory (a fake memory_stats): the cache gets
+    (gpu_memory_utilization x bytes_limit - bytes_in_use - the step reserve) // block bytes, so a larger
+    share gives more blocks; too little memory for one sequence names the knob; without a limit (CPU)
+    the share changes nothing (the host default)."""
+    cfg = parse_model_config(preset("v3-tiny"))
+    rng = np.random.default_rng()
+    u_lo, u_hi = float(rng.uniform(0.3, 0.6)), float(rng.uniform(0.7, 1.0))
+    assert EngineConfig.create(cfg).cache.gpu_memory_utilization == 0.9  # vLLM's default
+    assert EngineConfig.create(cfg, max_preemptions=0).scheduler.max_preemptions == 0
+    confs = {u: EngineConfig.create(cfg, dtype="float32", max_model_len=256, max_num_seqs=10**7,
+                                    gpu_memory_utilization=u) for u in (u_lo, u_hi)}
+    c = confs[u_lo]
+    per_block = (cfg.num_hidden_layers * c.cache.block_size * cache_row_dim(cfg.kv_cache_dim, "auto")
+                 * cache_array_dtype("auto", "float32", c.kernels).itemsize)
+    limit = int(rng.integers(8, 200)) << 30
+    in_use = int(rng.integers(0, limit // 4))
+    stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: [_FakeDevice(stats)])
+    got = {u: default_num_blocks(conf) for u, conf in confs.items()}
+    for u, n in got.items():
+        assert n == (int(u * limit) - in_use - STEP_RESERVE_BYTES) // per_block
+    assert got[u_hi] > got[u_lo]
+    stats["bytes_in_use"] = int(u_lo * limit) - STEP_RESERVE_BYTES - per_block  # room for less than a sequence
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        default_num_blocks(c)
+    for host_stats in (None, {}):
+        monkeypatch.setattr(jax, "devices", lambda *a, **k: [_FakeDevice(host_stats)])
+        assert {default_num_blocks(conf) for conf in confs.values()} == {HOST_CACHE_BYTES // per_block}

@@ -231,6 +231,16 @@ def _serve_module():
     return mod
 
 
+def test_serve_api_key_flag_and_environment(monkeypatch):
+    """scripts/serve.py's --api-key defaults to $MOEJAX_API_KEY; the flag overrides it; neither: open."""
+    key = "sk-" + os.urandom(6).hex()
+    monkeypatch.delenv("MOEJAX_API_KEY", raising=False)
+    assert _serve_module().build_parser().parse_args([]).api_key is None
+    monkeypatch.setenv("MOEJAX_API_KEY", key)
+    ap = _serve_module().build_parser()
+    assert ap.parse_args([]).api_key == key and ap.parse_args(["--api-key", "other"]).api_key == "other"
+
+
 def test_serve_forwards_load_options():
     """scripts/serve.py's flags reach moejax.load unchanged; every forwarded option is a moejax.load
     parameter with the same default; bad choices are refused by the parser."""
@@ -238,9 +248,11 @@ def test_serve_forwards_load_options():
     serve = _serve_module()
     ap = serve.build_parser()
     kw = serve.build_load_kwargs(ap.parse_args(["--parallel", "dp2-ep2", "--kv-cache-dtype", "fp8",
-                                                "--kernels", "xla", "--dtype", "float32", "--max-num-seqs", "4"]))
+                                                "--kernels", "xla", "--dtype", "float32", "--max-num-seqs", "4",
+                                                "--gpu-memory-utilization", "0.55"]))
     assert (kw["parallel"], kw["kv_cache_dtype"], kw["kernels"], kw["dtype"], kw["max_num_seqs"]) == \
         ("dp2-ep2", "fp8", "xla", "float32", 4)
+    assert kw["gpu_memory_utilization"] == 0.55
     kw = serve.build_load_kwargs(ap.parse_args([]))
     assert (kw["parallel"], kw["kv_cache_dtype"], kw["kernels"]) == (None, "auto", "auto")
     # everything forwarded is a moejax.load parameter, with the same default

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, driven by the official `openai` client over a loopback port:
-completions and chat (streaming and not), usage, greedy parity with moejax.generate, 4xx errors,
-disconnects freeing KV blocks, 64 concurrent streams, the step log, /health and /metrics."""
+completions and chat (streaming and not), usage, greedy parity with moejax.generate, top logprobs
+against score()'s log-softmax, 4xx errors, disconnects freeing KV blocks, 64 concurrent streams,
+the step log, /health and /metrics."""
 
 import asyncio
 import json
@@ -23,6 +24,7 @@ from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
 import openai  # noqa: E402  (in the test extra)
+from conftest import assert_top_logprobs, log_softmax  # noqa: E402
 
 NAME = "tiny-test"
 MAX_LEN = 256
@@ -137,6 +139,81 @@ def test_chat_greedy_matches_generate(client, ref):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == 10
+
+
+def _ref_log_softmax(model, prompt_ids, out_ids):
+    """Reference logprobs of each output position: NumPy log-softmax of score() over prompt + output."""
+    return log_softmax(model.score([prompt_ids + out_ids])[0, len(prompt_ids) - 1:-1])
+
+
+def _token_id(token: str) -> int:
+    assert token.startswith("token_id:"), token  # vLLM's return_tokens_as_token_ids rendering
+    return int(token.removeprefix("token_id:"))
+
+
+def test_completion_top_logprobs(client, ref):
+    """Completions logprobs=N (random 1..20), greedy: each token's top_logprobs against a NumPy log-softmax of
+    score() over prompt + output (ids through return_tokens_as_token_ids), the greedy token first; with token
+    strings, each key holds the best logprob of the ids it renders; streamed chunks carry the same entries."""
+    rng = np.random.default_rng()
+    n = int(rng.integers(1, 21))
+    prompt = rng.integers(2, 300, size=8).tolist()
+    kw = dict(model=NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=n)
+    as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    lp = client.completions.create(**kw, extra_body=as_ids).choices[0].logprobs
+    out = [_token_id(t) for t in lp.tokens]
+    lsm = _ref_log_softmax(ref, prompt, out)
+    np.testing.assert_allclose(lp.token_logprobs, lsm[np.arange(len(out)), out], atol=1e-4)
+    tops = [[(_token_id(k), v) for k, v in d.items()] for d in lp.top_logprobs]
+    assert len(tops) == len(out) == 8
+    for pos, top in enumerate(tops):
+        assert_top_logprobs(top, lsm[pos], n)
+        assert top[0] == (out[pos], lp.token_logprobs[pos])
+
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert plain.tokens == [ref.tokenizer.decode([t], skip_special_tokens=False) for t in out]
+    for d, top in zip(plain.top_logprobs, tops):
+        want = {}
+        for i, v in top:
+            want.setdefault(ref.tokenizer.decode([i], skip_special_tokens=False), v)
+        assert list(d) == list(want)
+        np.testing.assert_allclose(list(d.values()), list(want.values()), atol=1e-6)
+
+    chunks = [c for c in client.completions.create(**kw, stream=True, extra_body=as_ids) if c.choices]
+    streamed = [d for c in chunks if c.choices[0].logprobs for d in c.choices[0].logprobs.top_logprobs]
+    assert [list(d) for d in streamed] == [list(d) for d in lp.top_logprobs]
+    np.testing.assert_allclose([v for d in streamed for v in d.values()],
+                               [v for d in lp.top_logprobs for v in d.values()], atol=1e-6)
+
+
+def test_chat_top_logprobs(client, ref):
+    """Chat logprobs with top_logprobs=N (random 1..20), seeded sampling: each content entry's top_logprobs
+    ({token, logprob, bytes}) against a NumPy log-softmax of score(); the sampled token's logprob equals its
+    entry when it is among them; the stream (same seed) carries the same entries."""
+    rng = np.random.default_rng()
+    n = int(rng.integers(1, 21))
+    msgs = [{"role": "user", "content": "Tell me something."}]
+    ids = _chat_ids(ref, msgs)
+    kw = dict(model=NAME, messages=msgs, max_tokens=6, temperature=0.8, seed=int(rng.integers(1 << 30)),
+              logprobs=True, top_logprobs=n, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    out = [_token_id(c.token) for c in content]
+    lsm = _ref_log_softmax(ref, ids, out)
+    assert len(out) == 6
+    for pos, c in enumerate(content):
+        np.testing.assert_allclose(c.logprob, lsm[pos, out[pos]], atol=1e-4)
+        top = [(_token_id(t.token), t.logprob) for t in c.top_logprobs]
+        assert_top_logprobs(top, lsm[pos], n)
+        assert all(t.bytes == list(t.token.encode()) for t in [c, *c.top_logprobs])
+        if out[pos] in dict(top):
+            assert dict(top)[out[pos]] == c.logprob
+    streamed = [e for ch in client.chat.completions.create(**kw, stream=True)
+                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [c.token for c in content]
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [[t.token for t in c.top_logprobs]
+                                                                     for c in content]
+    np.testing.assert_allclose([t.logprob for e in streamed for t in e.top_logprobs],
+                               [t.logprob for c in content for t in c.top_logprobs], atol=1e-6)
 
 
 def test_stop_string_never_streamed(client, ref):

@@ -1,7 +1,7 @@
 """The server under faults and hostile input: an engine step that raises, an engine that dies,
 graceful shutdown (in process and by SIGTERM to scripts/serve.py), strict validation (non-finite
 numbers, unbounded integers, lone surrogates, deep JSON, 405/413/415), the access policy (API key,
-Host, CORS), top logprobs refused, prompt length checked before tokenising, the KV-capacity check
+Host, CORS), logprobs bounds, prompt length checked before tokenising, the KV-capacity check
 at start-up and one-line errors for corrupt checkpoint files."""
 
 import json
@@ -162,22 +162,25 @@ def test_unknown_fields_ignored_with_a_warning(server, caplog):
     assert any(key in r.getMessage() for r in caplog.records)
 
 
-def test_top_logprobs_refused_not_silently_null(server):
-    """logprobs N > 0 (completions) and top_logprobs N > 0 (chat) get 400; logprobs 0 / true give the
-    sampled tokens' logprobs with empty alternatives, never null."""
-    n = int(np.random.default_rng().integers(1, 21))
-    status, body = _post(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": n})
-    _assert_error(status, body, 400, "logprobs")
-    status, body = _post(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                              "logprobs": True, "top_logprobs": n, "max_tokens": 2})
+def test_logprobs_bounds_and_empty_alternatives(server):
+    """logprobs N (completions) / top_logprobs N (chat) above 20: 400 naming the field; top_logprobs without
+    logprobs: true: 400; N = 0 gives the sampled tokens' logprobs with empty alternatives, never null."""
+    rng = np.random.default_rng()
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for n in (21, int(rng.integers(22, 10**6))):
+        status, body = _post(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": n})
+        _assert_error(status, body, 400, "logprobs")
+        status, body = _post(server.url, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": n})
+        _assert_error(status, body, 400, "top_logprobs")
+    status, body = _post(server.url, "/v1/chat/completions", {**chat, "top_logprobs": int(rng.integers(1, 21))})
     _assert_error(status, body, 400, "top_logprobs")
     status, body = _post(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": 0})
     lp = body["choices"][0]["logprobs"]
     assert status == 200 and len(lp["token_logprobs"]) == 3 and lp["top_logprobs"] == [{}, {}, {}]
-    status, body = _post(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                              "logprobs": True, "max_tokens": 2})
-    content = body["choices"][0]["logprobs"]["content"]
-    assert status == 200 and len(content) == 2 and all(c["top_logprobs"] == [] for c in content)
+    for extra in ({}, {"top_logprobs": 0}):
+        status, body = _post(server.url, "/v1/chat/completions", {**chat, "logprobs": True, **extra})
+        content = body["choices"][0]["logprobs"]["content"]
+        assert status == 200 and len(content) == 2 and all(c["top_logprobs"] == [] for c in content)
 
 
 def test_methods_media_types_and_sizes(model):
@@ -205,6 +208,46 @@ def test_methods_media_types_and_sizes(model):
         status, body = _post(srv.url, "/v1/completions", {"prompt": long_prompt, "max_tokens": 2})
         _assert_error(status, body, 400, "prompt")
         assert "characters" in body["error"]["message"] and time.perf_counter() - t0 < 5
+    finally:
+        srv.stop()
+
+
+class _SlowTokenizer:
+    """The model's tokenizer, except that encoding a text containing `mark` takes `delay` seconds (as a
+    20 MB prompt does)."""
+
+    def __init__(self, tok, mark: str, delay: float):
+        self.tok, self.mark, self.delay = tok, mark, delay
+
+    def encode(self, text, *args, **kw):
+        if self.mark in text:
+            time.sleep(self.delay)
+        return self.tok.encode(text, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_tokenising_runs_off_the_event_loop(server, model):
+    """While one prompt takes seconds to tokenise, the event loop keeps serving: /health and a token-id
+    completion are answered before it is done; the slow request then completes."""
+    mark, delay = "slow-" + os.urandom(4).hex(), 4.0
+    ctx = ServingContext((NAME,), _SlowTokenizer(model.tokenizer, mark, delay), MAX_LEN,
+                         model.config.model.vocab_size)
+    srv = ServerThread(app=build_app(server.aengine, ctx, AccessPolicy(bind_host="127.0.0.1"))).start()
+    try:
+        out = {}
+        slow = threading.Thread(target=lambda: out.update(
+            r=_post(srv.url, "/v1/completions", {"prompt": f"a {mark} b", "max_tokens": 2})), daemon=True)
+        t0 = time.perf_counter()
+        slow.start()
+        time.sleep(0.3)
+        assert _health(srv.url) == 200
+        status, body = _post(srv.url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        assert time.perf_counter() - t0 < delay - 1 and slow.is_alive()
+        slow.join(60)
+        assert out["r"][0] == 200 and out["r"][1]["usage"]["completion_tokens"] == 2
     finally:
         srv.stop()
 
@@ -303,6 +346,58 @@ def test_step_fault_fails_only_its_requests(server, model):
     assert eng.blocks.num_free == eng.blocks.num_blocks  # the failed requests' blocks were freed
 
 
+def test_preempted_too_often_ends_with_an_error(tiny_path):
+    """A cache too small for the load with max_preemptions=0: a request preempted is given up with a 503 (a
+    stream: an error event naming the preemption, then [DONE]; non-streaming: the JSON error), the others
+    finish with all their tokens; the server stays healthy, request_errors counts the failures and every
+    KV block is free again."""
+    m = moejax.load(tiny_path, dtype="float32", block_size=8, num_kv_blocks=16, max_model_len=128, max_num_seqs=8,
+                    max_preemptions=0, progress=False)
+    srv = ServerThread(m, model_name=NAME).start()
+    try:
+        rng = np.random.default_rng()
+        # each needs up to 15 of the 16 blocks alone: any two running at once collide
+        bodies = [{"prompt": rng.integers(2, 300, size=int(rng.integers(20, 30))).tolist(), "max_tokens": 90,
+                   "ignore_eos": True, "return_token_ids": True} for _ in range(6)]
+        outs = [{} for _ in bodies]
+
+        def plain(body, out):
+            out["status"], out["body"] = _post(srv.url, "/v1/completions", body)
+
+        threads = [_stream_in_thread(srv.url, b, o) if i % 2 else threading.Thread(target=plain, args=(b, o))
+                   for i, (b, o) in enumerate(zip(bodies, outs))]
+        for t in threads[::2]:
+            t.start()
+        for t in threads:
+            t.join(120)
+        failed = 0
+        for i, o in enumerate(outs):
+            if i % 2:  # streamed
+                ev = o["events"]
+                assert o["status"] == 200 and ev[-1] == "[DONE]", ev[-3:]
+                if "error" in ev[-2]:
+                    failed += 1
+                    assert ev[-2]["error"]["code"] == 503 and "preemption" in ev[-2]["error"]["message"]
+                else:
+                    assert ev[-2]["choices"][0]["finish_reason"] == "length"
+                    assert sum(len(e["choices"][0]["token_ids"]) for e in ev[:-1] if e.get("choices")) == 90
+            elif o["status"] == 200:
+                assert o["body"]["usage"]["completion_tokens"] == 90
+            else:
+                failed += 1
+                _assert_error(o["status"], o["body"], 503)
+                assert "preemption" in o["body"]["error"]["message"]
+        assert failed > 0
+        metrics = parse_metrics(_request(srv.url, "/metrics")[2].decode())
+        assert metrics["moejax:request_errors_total"] == failed == metrics["vllm:num_preemptions_total"]
+        assert _health(srv.url) == 200
+        status, body = _post(srv.url, "/v1/completions", {"prompt": [3, 4, 5], "max_tokens": 5})
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1
+        assert m.engine.blocks.num_free == m.engine.blocks.num_blocks
+    finally:
+        srv.stop()
+
+
 class _FakeEngine:
     """Emits one token per step for every accepted sequence (after `delay` s), finishing each at its
     max_new_tokens; from step `die_at` on, every step raises with no sequence to blame (engine dead)."""
@@ -341,6 +436,9 @@ class _FakeEngine:
 
     def abort(self, seq):
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
+
+    def pop_failed(self):
+        return []
 
 
 def _fake_server(model, engine, shutdown_timeout=5.0, exit_on_engine_death=True):
@@ -403,8 +501,10 @@ def test_graceful_shutdown_drains_then_aborts(model):
 
 
 def test_sigterm_exits_zero_with_streams_ended(tiny_path):
-    """scripts/serve.py under SIGTERM with a stream in flight: the stream ends with [DONE] (finished, or
-    aborted with an error event after --shutdown-timeout) and the process exits 0 within seconds."""
+    """scripts/serve.py under SIGTERM or SIGINT (drawn per run) with a stream in flight: the stream ends with
+    [DONE] (finished, or aborted with an error event after --shutdown-timeout) and the process exits 0
+    within seconds."""
+    sig = [signal.SIGTERM, signal.SIGINT][int(np.random.default_rng().integers(2))]
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "serve.py"), "--model", tiny_path,
@@ -425,7 +525,7 @@ def test_sigterm_exits_zero_with_streams_ended(tiny_path):
         t = _stream_in_thread(url, {"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True}, out)
         time.sleep(1.0)
         t0 = time.perf_counter()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         t.join(30)
         code = proc.wait(30)
         assert code == 0 and time.perf_counter() - t0 < 15

@@ -60,7 +60,7 @@ class LLMEngine:
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, runner.num_ranks, runner.max_num_seqs,
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, runner.max_num_seqs * runner.num_ranks,
-                                   config.scheduler.max_prefill_tokens)
+                                   config.scheduler.max_prefill_tokens, config.scheduler.max_preemptions)
         self.stats = EngineStats()
         self._rng = random.Random()
 
@@ -92,6 +92,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def pop_failed(self) -> list[Sequence]:
+        """The sequences finished with an error (finish_reason "error", ``seq.error`` says why) since
+        the last call: preempted more than max_preemptions times."""
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        return failed
+
     def step(self) -> tuple[str, list[Sequence]]:
         """Runs one prefill or decode step. Returns (kind, sequences that got a token): a prefill
         step whose chunks complete no prompt returns ("prefill", [])."""
@@ -100,10 +106,7 @@ class LLMEngine:
             return kind, []
         t0 = time.perf_counter()
         new_tokens = sum(s.num_new_tokens for s in seqs)
-        if kind == "prefill":
-            toks, lps = self.runner.prefill(seqs)
-        else:
-            toks, lps = self.runner.decode(seqs)
+        out = self.runner.prefill(seqs) if kind == "prefill" else self.runner.decode(seqs)
         dt = time.perf_counter() - t0
         self.balancer.record()  # expert counts of this step; may rebalance between steps
         if kind == "prefill":
@@ -120,18 +123,21 @@ class LLMEngine:
             self.blocks.cache_computed(seq)  # full blocks become prefix-cache hits for later requests
         # A chunk that leaves part of its prompt uncomputed samples nothing.
         stepped = [s for s in seqs if kind == "decode" or s.prefill_done]
-        by_id = {s.seq_id: (t, lp) for s, t, lp in zip(seqs, toks.tolist(), lps.tolist())}
+        by_id = {s.seq_id: sampled for s, sampled in zip(seqs, zip(out.tokens.tolist(), out.logprobs.tolist(),
+                                                                 out.top_logprobs))}
         if kind == "prefill":
             self.scheduler.prefilled(stepped)
         for seq in stepped:
             self._append(seq, *by_id[seq.seq_id])
         return kind, stepped
 
-    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
         p = seq.params
         seq.token_ids.append(token)
         if p.logprobs:
             seq.logprobs.append(logprob)
+        if p.top_logprobs:
+            seq.top_logprobs.append(top)
         reason = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
@@ -154,6 +160,7 @@ class LLMEngine:
         with tqdm(total=total, desc="Generating", unit="tok", disable=not progress) as bar:
             while any(not s.is_finished for s in seqs):
                 kind, stepped = self.step()
-                if kind == "idle":
+                self.pop_failed()  # they are finished: their results carry the error
+                if kind == "idle" and any(not s.is_finished for s in seqs):
                     raise RuntimeError("engine is idle with unfinished sequences")
                 bar.update(len(stepped))

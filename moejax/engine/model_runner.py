@@ -19,6 +19,7 @@ through the MoE dispatch backend's collectives).
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,14 @@ from moejax.engine.sequence import Sequence
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
 from moejax.layers.sampler import sample
 from moejax.parallel.sharding import RANK, REPLICATED, param_specs
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What a step sampled for each of its sequences, in their order."""
+    tokens: np.ndarray  # [n] token ids
+    logprobs: np.ndarray  # [n] logprob of each token under the raw distribution
+    top_logprobs: list  # [n]: None, or the sequence's top_logprobs best (token id, logprob), descending
 
 
 def next_pow2(n: int, lo: int = 1) -> int:
@@ -44,8 +53,13 @@ def packed_bucket(n: int) -> int:
     return -(-max(n, 1) // step) * step
 
 
+STEP_RESERVE_BYTES = 2 << 30  # device memory left for the step's activations and compiled programs
+HOST_CACHE_BYTES = 2 << 30  # the cache's size where the device reports no memory limit (CPU)
+
+
 def default_num_blocks(config: EngineConfig) -> int:
-    """KV blocks per rank: all of max_num_seqs at max_model_len, capped by free device memory."""
+    """KV blocks per rank: all of max_num_seqs at max_model_len, capped by device memory: what is left of
+    gpu_memory_utilization x the device's memory after what is in use (the weights) and a reserve."""
     cfg, cache, sched = config.model, config.cache, config.scheduler
     row_bytes = (cache_row_dim(cfg.kv_cache_dim, cache.kv_cache_dtype)
                  * cache_array_dtype(cache.kv_cache_dtype, config.dtype, config.kernels).itemsize)
@@ -54,13 +68,15 @@ def default_num_blocks(config: EngineConfig) -> int:
     want = sched.max_num_seqs * per_seq
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
-        budget = int(0.9 * stats["bytes_limit"]) - stats.get("bytes_in_use", 0) - (2 << 30)
+        budget = (int(cache.gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
+                  - STEP_RESERVE_BYTES)
     else:
-        budget = 2 << 30  # host memory: keep the cache modest
+        budget = HOST_CACHE_BYTES  # host memory: keep the cache modest
     n = min(want, max(budget // per_block, 0))
     if n < per_seq:
-        raise ValueError(f"not enough memory for one sequence of max_model_len={sched.max_model_len}: "
-                         "lower max_model_len or pass num_kv_blocks")
+        raise ValueError(f"not enough memory for one sequence of max_model_len={sched.max_model_len}: lower "
+                         f"max_model_len, raise gpu_memory_utilization (now {cache.gpu_memory_utilization}) or "
+                         "pass num_kv_blocks")
     return int(n)
 
 
@@ -113,9 +129,9 @@ class ModelRunner:
         (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, None, cache, slots, None, None,
                                                              None, cu_seqlens, method="prefill")
         last = h[jnp.maximum(cu_seqlens[1:] - 1, 0)]  # each prompt's last token
-        toks, lps = sample(self.module.apply(v, last, method="logits"), *samp,
-                           positions=cu_seqlens[1:] - cu_seqlens[:-1])
-        return cache, toks, lps, counts, dispatched
+        sampled = sample(self.module.apply(v, last, method="logits"), *samp,
+                         positions=cu_seqlens[1:] - cu_seqlens[:-1])
+        return cache, sampled, counts, dispatched
 
     def _prefill_paged_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots, block_tables,
                             samp):
@@ -125,16 +141,16 @@ class ModelRunner:
                                                              block_tables, ctx_lens, self.block_size,
                                                              method="prefill")
         last = h[jnp.arange(B), jnp.maximum(seq_lens - 1, 0)]
-        toks, lps = sample(self.module.apply(v, last, method="logits"), *samp, positions=ctx_lens)
-        return cache, toks, lps, counts, dispatched
+        sampled = sample(self.module.apply(v, last, method="logits"), *samp, positions=ctx_lens)
+        return cache, sampled, counts, dispatched
 
     def _decode_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens, samp):
         v = self._vars(params, routing)
         (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, cache, slots, block_tables,
                                                              jnp.maximum(seq_lens, 1), self.block_size,
                                                              method="decode")
-        toks, lps = sample(self.module.apply(v, h, method="logits"), *samp, positions=positions + 1)
-        return cache, toks, lps, counts, dispatched
+        sampled = sample(self.module.apply(v, h, method="logits"), *samp, positions=positions + 1)
+        return cache, sampled, counts, dispatched
 
     def _score_rank(self, params, routing, tokens):
         B, S = tokens.shape
@@ -172,26 +188,37 @@ class ModelRunner:
         N = self.num_ranks
         temp, top_p = np.zeros((N, B), np.float32), np.ones((N, B), np.float32)
         top_k, seeds = np.zeros((N, B), np.int32), np.zeros((N, B), np.uint32)
+        num_top = np.zeros((N, B), np.int32)
         for r, seqs in enumerate(ranks):
             for i, s in enumerate(seqs):
                 p = s.params
                 temp[r, i], top_p[r, i], top_k[r, i] = p.temperature, p.top_p, p.top_k
                 seeds[r, i] = s.seed & 0xFFFFFFFF
-        return temp, top_p, top_k, seeds
+                num_top[r, i] = p.top_logprobs
+        return temp, top_p, top_k, seeds, num_top
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     @staticmethod
-    def _gather(ranks, toks, lps):
+    def _gather(ranks, sampled, seqs: list[Sequence]) -> StepOutput:
+        """The step's samples of ``seqs`` on the host; the top logprobs are copied only when one of
+        them asks for some (N x B x 20 values a step otherwise)."""
+        toks, lps, top_lps, top_ids = sampled
         toks, lps = np.asarray(toks), np.asarray(lps)
-        out = {}
-        for r, seqs in enumerate(ranks):
-            for i, s in enumerate(seqs):
-                out[s.seq_id] = (int(toks[r, i]), float(lps[r, i]))
+        if any(s.params.top_logprobs for s in seqs):
+            top_lps, top_ids = np.asarray(top_lps), np.asarray(top_ids)
+        where = {s.seq_id: (r, i) for r, rs in enumerate(ranks) for i, s in enumerate(rs)}
+        out = StepOutput(np.zeros(len(seqs), np.int64), np.zeros(len(seqs), np.float64), [None] * len(seqs))
+        for j, s in enumerate(seqs):
+            r, i = where[s.seq_id]
+            out.tokens[j], out.logprobs[j] = toks[r, i], lps[r, i]
+            n = s.params.top_logprobs
+            if n:
+                out.top_logprobs[j] = list(zip(top_ids[r, i, :n].tolist(), top_lps[r, i, :n].tolist()))
         return out
 
-    def prefill(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    def prefill(self, seqs: list[Sequence]) -> StepOutput:
         """Runs each sequence's scheduled chunk (``num_new_tokens`` from ``num_cached_tokens``),
         writes its latents to the cache and samples a next token from its last position; the
         token means something only for a sequence whose prompt the chunk completes.
@@ -207,17 +234,17 @@ class ModelRunner:
         B = next_pow2(per_rank)
         samp = self._sampling_arrays(ranks, B)
         if any(s.num_cached_tokens for s in seqs):
-            self.cache, toks, lps, counts, dispatched = self._prefill_paged(self.params, self.routing, self.cache,
-                                                                            *self._paged_arrays(ranks, B, seqs), samp)
+            self.cache, sampled, counts, dispatched = self._prefill_paged(self.params, self.routing, self.cache,
+                                                                          *self._paged_arrays(ranks, B, seqs), samp)
         else:
-            self.cache, toks, lps, counts, dispatched = self._prefill(self.params, self.routing, self.cache,
-                                                                      *self._packed_arrays(ranks, B), samp)
+            self.cache, sampled, counts, dispatched = self._prefill(self.params, self.routing, self.cache,
+                                                                    *self._packed_arrays(ranks, B), samp)
         self._record(counts, dispatched)
-        got = self._gather(ranks, toks, lps)
+        out = self._gather(ranks, sampled, seqs)
         for s in seqs:
             s.num_cached_tokens += s.num_new_tokens
             s.num_new_tokens = 0
-        return np.array([got[s.seq_id][0] for s in seqs]), np.array([got[s.seq_id][1] for s in seqs])
+        return out
 
     def _packed_arrays(self, ranks: list[list[Sequence]], B: int):
         """Each rank's whole prompts back to back: tokens, positions, slots [N, T] and cu_seqlens
@@ -263,7 +290,7 @@ class ModelRunner:
                 tables[r, i, :len(s.block_table)] = s.block_table
         return tokens, positions, lens, ctx, slots, tables
 
-    def decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    def decode(self, seqs: list[Sequence]) -> StepOutput:
         """One token for each sequence; its last token is the one being fed."""
         ranks, per_rank = self._by_rank(seqs)
         N, B = self.num_ranks, min(next_pow2(per_rank), next_pow2(self.max_num_seqs))
@@ -277,14 +304,14 @@ class ModelRunner:
                 tokens[r, i], positions[r, i], lens[r, i] = s.token_ids[-1], pos, pos + 1
                 slots[r, i] = self._slot(s, pos)
                 tables[r, i, :len(s.block_table)] = s.block_table
-        self.cache, toks, lps, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens,
-                                                                 positions, slots, tables, lens,
-                                                                 self._sampling_arrays(ranks, B))
+        self.cache, sampled, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens,
+                                                               positions, slots, tables, lens,
+                                                               self._sampling_arrays(ranks, B))
         self._record(counts, dispatched)
-        got = self._gather(ranks, toks, lps)
+        out = self._gather(ranks, sampled, seqs)
         for s in seqs:
             s.num_cached_tokens = len(s)
-        return np.array([got[s.seq_id][0] for s in seqs]), np.array([got[s.seq_id][1] for s in seqs])
+        return out
 
     def _record(self, counts, dispatched):
         """Keeps the last step's expert statistics on the host (a few KB)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from moejax.layers.sampler import MAX_TOP_LOGPROBS
+
 INT32_MAX = 2**31 - 1  # top_k and token ids become int32 arrays of the compiled step
 
 
@@ -18,7 +20,8 @@ class SamplingParams:
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # the sampled token's logprob
+    top_logprobs: int = 0  # also the N most likely tokens of each position, with their logprobs
 
     def __post_init__(self):
         def check_num(name, v, lo, hi=None, integer=False):
@@ -52,3 +55,4 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"logprobs must be a boolean, got {self.logprobs!r}")
+        check_num("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS, integer=True)

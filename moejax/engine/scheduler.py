@@ -14,7 +14,9 @@ admission, sharing those of its longest cached prefix: block_manager.py). When a
 running sequence cannot get a block for its next token, the most recently admitted
 one is preempted (its blocks freed, the sequence put back at the front of the
 waiting queue with the tokens it has generated, to be recomputed), so nothing
-accepted is lost.
+accepted is lost. A sequence preempted more than ``max_preemptions`` times is finished
+with finish_reason "error" instead (kept in ``failed`` until the engine reports it), so a
+cache too small for the load cannot keep one request from ever finishing.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from moejax.engine.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_prefill_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_prefill_tokens: int,
+                 max_preemptions: int = 16):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_preemptions = max_preemptions
+        self.failed: list[Sequence] = []  # finished with an error (preempted too often), not yet reported
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet wholly in the cache
         self.running: list[Sequence] = []  # decoding
@@ -104,10 +109,19 @@ class Scheduler:
         self.running.extend(done)
 
     def preempt(self, seq: Sequence) -> None:
+        """Frees the sequence's blocks and queues it first for recomputation, or, past the bound,
+        finishes it with an error."""
         self.blocks.deallocate(seq)
-        seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        if seq.num_preemptions > self.max_preemptions:
+            seq.finish_reason = "error"
+            seq.error = (f"the request was given up after {seq.num_preemptions} preemption(s) (max_preemptions="
+                         f"{self.max_preemptions}): the KV cache is too small for this load")
+            self.finish(seq)
+            self.failed.append(seq)
+            return
+        seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:

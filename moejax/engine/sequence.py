@@ -31,8 +31,11 @@ class Sequence:
         self.num_new_tokens = 0  # tokens the scheduled prefill step computes (a chunk of the prompt)
         self.block_hashes: list[bytes] = []  # prefix-cache keys of its full token blocks (hashed once, lazily)
         self.num_keyed_blocks = 0  # of its blocks, how many are registered in the prefix cache (or hits)
-        self.logprobs: list[float] = []
+        self.logprobs: list[float] = []  # of each output token, when params.logprobs
+        # per output token, when params.top_logprobs: the most likely (token id, logprob), descending
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it was given up (finish_reason "error")
         self.text = ""
         self.num_preemptions = 0
 

@@ -1,4 +1,5 @@
-"""Token sampling inside the compiled step: greedy, temperature, top-k, top-p, per-request seed.
+"""Token sampling inside the compiled step: greedy, temperature, top-k, top-p, per-request seed,
+and the top log-probabilities of the raw distribution.
 
 Each row gets its own PRNG key from (seed, position), so a seeded request
 samples the same tokens whatever else shares its batch.
@@ -6,6 +7,8 @@ samples the same tokens whatever else shares its batch.
 
 import jax
 import jax.numpy as jnp
+
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's and OpenAI's limit)
 
 
 def _sample_rows(logits, temperature, top_p, top_k, keys):
@@ -23,12 +26,26 @@ def _sample_rows(logits, temperature, top_p, top_k, keys):
     return jnp.take_along_axis(sorted_idx, choice[:, None], axis=-1)[:, 0]
 
 
-def sample(logits, temperature, top_p, top_k, seeds, positions):
-    """logits [B, V] float32; temperature/top_p float32 [B]; top_k int32 [B] (0 = off);
-    seeds uint32 [B]; positions int32 [B]. Returns (tokens int32 [B], logprob float32 [B]).
+def _top_logprobs(logprobs, num_top):
+    """The MAX_TOP_LOGPROBS (or vocabulary-size) best (logprob, token id) of each row, descending; zeros
+    when no row asks (num_top all 0), so a batch without top-logprob requests skips the top-k."""
+    B, V = logprobs.shape
+    K = min(MAX_TOP_LOGPROBS, V)
+    return jax.lax.cond(
+        jnp.any(num_top > 0),
+        lambda: tuple(jax.lax.top_k(logprobs, K)),
+        lambda: (jnp.zeros((B, K), logprobs.dtype), jnp.zeros((B, K), jnp.int32)),
+    )
 
-    temperature == 0 means greedy. The logprob is that of the chosen token under
-    the model's raw distribution (vLLM's default ``raw_logprobs``)."""
+
+def sample(logits, temperature, top_p, top_k, seeds, num_top, positions):
+    """logits [B, V] float32; temperature/top_p float32 [B]; top_k int32 [B] (0 = off);
+    seeds uint32 [B]; num_top int32 [B] (top logprobs a row asks for, 0 = none); positions int32 [B].
+    Returns (tokens int32 [B], logprob float32 [B], top logprobs float32 [B, K], top ids int32 [B, K])
+    with K = min(MAX_TOP_LOGPROBS, V): the host keeps the first num_top of a row.
+
+    temperature == 0 means greedy. Logprobs are those of the model's raw distribution
+    (log_softmax of the logits: vLLM's default ``raw_logprobs``), whatever the sampling settings."""
     greedy = jnp.argmax(logits, axis=-1)
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
     sampled = jax.lax.cond(
@@ -38,4 +55,5 @@ def sample(logits, temperature, top_p, top_k, seeds, positions):
     )
     tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_lps, top_ids = _top_logprobs(logprobs, num_top)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0], top_lps, top_ids.astype(jnp.int32)

@@ -124,7 +124,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 async def _full(request, req, stream, aengine, ctx) -> web.Response:
-    ids, lps = [], []
+    ids, lps, tops = [], [], []
     while True:
         ev = await stream.get(POLL_S)
         if ev is None:
@@ -138,11 +138,12 @@ async def _full(request, req, stream, aengine, ctx) -> web.Response:
         if ev.token_id is not None:
             ids.append(ev.token_id)
             lps.append(ev.logprob)
+            tops.append(ev.top_logprobs)
         if ev.finish_reason is not None:
             if ev.finish_reason == "abort":
                 raise APIError("the request was aborted", 500, type_="internal_server_error")
-            body = protocol.full_response(req, protocol.new_id(req.chat), ev.text, ids, lps, ev.finish_reason,
-                                          ctx.tokenizer)
+            body = protocol.full_response(req, protocol.new_id(req.chat), ev.text, ids, lps, tops,
+                                          ev.finish_reason, ctx.tokenizer)
             return web.json_response(body)
 
 
@@ -196,14 +197,14 @@ async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
         if ev.finish_reason == "abort":
             return await _end_with_error(resp, "the request was aborted", 500)
         offset = len(detok.sent)
-        ids = [e.token_id for e in events if e.token_id is not None]
-        lps = [e.logprob for e in events if e.token_id is not None]
+        toks = [e for e in events if e.token_id is not None]
+        ids, lps, tops = [e.token_id for e in toks], [e.logprob for e in toks], [e.top_logprobs for e in toks]
         n_out += len(ids)
         delta = "".join(detok.add(t) for t in ids)
         if ev.finish_reason is not None:
             delta += detok.finish(ev.text)  # the engine's final text: stop strings already cut
         chunk = protocol.stream_chunk(req, rid, created, delta, ids, lps if ids else None,
-                                      ev.finish_reason, ctx.tokenizer, text_offset=offset)
+                                      ev.finish_reason, ctx.tokenizer, text_offset=offset, tops=tops)
         await resp.write(_sse(chunk))
         if ev.finish_reason is not None:
             break
@@ -253,7 +254,8 @@ def build_app(aengine: AsyncEngine, ctx: protocol.ServingContext, policy: Access
     """The routes over a started AsyncEngine; ``policy``: API key, allowed origins, bound host (access.py)."""
     policy = policy or AccessPolicy()
     app = web.Application(middlewares=[error_middleware, access_middleware(policy)], client_max_size=max_body_bytes)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+    # two workers at least, so one huge prompt being tokenised does not hold up every other request
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 1)),
                                                  thread_name_prefix="moejax-parse")
     app[ENGINE_KEY], app[CTX_KEY], app[STATE_KEY] = aengine, ctx, ServerState(pool)
     app.on_response_prepare.append(add_cors_headers(policy))

@@ -14,8 +14,8 @@ the engine goes on with the others. It is declared dead (every open stream gets 
 503 error event, /health answers 503, and the server process exits non-zero: see
 lifecycle.py) when a step fails with no request to blame, when steps fail
 MAX_CONSECUTIVE_FAILURES times in a row, or on anything that is not an Exception.
-A request preempted more than MAX_PREEMPTIONS times is finished with an error
-rather than recomputed forever.
+A request the engine gave up (preempted more than max_preemptions times: the cache
+is too small for the load) gets an error event (503) too.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from moejax.server.metrics import Metrics
 
 
 MAX_CONSECUTIVE_FAILURES = 3
-MAX_PREEMPTIONS = 32
 
 
 class EngineDeadError(RuntimeError):
@@ -45,6 +44,7 @@ class EngineDeadError(RuntimeError):
 class TokenEvent:
     token_id: int | None = None
     logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), descending, when asked
     finish_reason: str | None = None  # set on the last event of a request
     text: str | None = None  # final text (stop strings cut) on the last event
     error: str | None = None  # the request failed (its step raised, or the engine died, or shutdown)
@@ -113,7 +113,6 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.error: str | None = None
         self._failures = 0  # consecutive failed steps
-        self._seen_preemptions = 0
         self._thread = threading.Thread(target=self._run, name="moejax-engine", daemon=True)
 
     # ----- event-loop side ---------------------------------------------------------
@@ -195,12 +194,16 @@ class AsyncEngine:
                 self._failures = 0
                 now = time.perf_counter()
                 out: dict[object, list] = {}
+                self._report_given_up(out)
                 for seq in seqs:
                     stream = self._streams.get(seq.seq_id)
                     if stream is None:
                         continue
+                    p = seq.params
                     ev = TokenEvent(token_id=seq.token_ids[-1],
-                                    logprob=seq.logprobs[-1] if seq.params.logprobs and seq.logprobs else None)
+                                    logprob=seq.logprobs[-1] if p.logprobs and seq.logprobs else None,
+                                    top_logprobs=seq.top_logprobs[-1] if p.top_logprobs and seq.top_logprobs
+                                    else None)
                     stream.num_output += 1
                     if stream.first_token_time is None:
                         stream.first_token_time = now
@@ -214,7 +217,6 @@ class AsyncEngine:
                         self.metrics.on_finish(seq.finish_reason, now - stream.arrival,
                                                stream.first_token_time - stream.arrival, seq.num_output_tokens)
                     out.setdefault(stream.loop, []).append((stream, ev))
-                self._bound_preemptions(out)
                 self.metrics.snapshot(self.engine, self.step_log.mixed_steps)
                 for loop, items in out.items():
                     loop.call_soon_threadsafe(_deliver, items)
@@ -225,13 +227,13 @@ class AsyncEngine:
         finally:
             self.metrics.engine_alive = 0
 
-    def _fail_stream(self, stream: RequestStream, message: str, out: dict) -> None:
+    def _fail_stream(self, stream: RequestStream, message: str, out: dict, status: int = 500) -> None:
         """Finishes one request with an error event (engine thread)."""
         if stream.seq is not None:
             self.engine.abort(stream.seq)
             self._streams.pop(stream.seq.seq_id, None)
         self.metrics.on_error()
-        out.setdefault(stream.loop, []).append((stream, TokenEvent(error=message, status=500)))
+        out.setdefault(stream.loop, []).append((stream, TokenEvent(error=message, status=status)))
 
     def _step_failed(self, e: Exception) -> None:
         """A step raised: its requests (those holding KV blocks) fail, the others go on. Re-raises when
@@ -243,25 +245,21 @@ class AsyncEngine:
         traceback.print_exc()
         msg = f"the engine failed on this request's step: {type(e).__name__}: {e}"[:500]
         out: dict[object, list] = {}
+        self._report_given_up(out)
         for st in victims:
             self._fail_stream(st, msg, out)
         self.metrics.snapshot(self.engine, self.step_log.mixed_steps)
         for loop, items in out.items():
             loop.call_soon_threadsafe(_deliver, items)
 
-    def _bound_preemptions(self, out: dict) -> None:
-        """Finishes with an error any request preempted more than MAX_PREEMPTIONS times (a cache too
-        small for the load would otherwise recompute it forever)."""
-        sched = getattr(self.engine, "scheduler", None)
-        n = getattr(sched, "num_preemptions", 0)
-        if n == self._seen_preemptions:
-            return
-        self._seen_preemptions = n
-        for seq in [s for s in sched.waiting if s.num_preemptions > MAX_PREEMPTIONS]:
+    def _report_given_up(self, out: dict) -> None:
+        """Error events (503: the server is overloaded; a retry may succeed) for the sequences the engine
+        finished with an error: preempted more than max_preemptions times."""
+        for seq in self.engine.pop_failed():
             stream = self._streams.get(seq.seq_id)
             if stream is not None:
-                self._fail_stream(stream, f"the request was preempted {seq.num_preemptions} times: the KV cache "
-                                          "is too small for this load (raise --num-kv-blocks)", out)
+                self._fail_stream(stream, f"{seq.error}; retry later, or raise --num-kv-blocks / lower "
+                                          "--max-num-seqs", out, status=503)
 
     def _fail_all(self) -> None:
         by_loop: dict[object, list] = {}

@@ -56,7 +56,8 @@ class ParsedRequest:
     logprobs: bool
     return_token_ids: bool
     model: str
-    top_logprobs: int = 0
+    top_logprobs: int = 0  # alternatives per token (completions: logprobs N, chat: top_logprobs N)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens shown as "token_id:<id>"
 
 
 def _check_model(model: str | None, ctx: ServingContext) -> str:
@@ -153,13 +154,11 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         raise APIError("'stream_options' can only be given when 'stream' is true", param="stream_options")
 
     if chat:
-        logprobs, top_n, top_key = body.logprobs, body.top_logprobs or 0, "top_logprobs"
-    else:
-        logprobs, top_n, top_key = body.logprobs is not None, body.logprobs or 0, "logprobs"
-    if top_n > 0:  # no silent nulls: the sampler returns the chosen token's logprob only
-        raise APIError(f"'{top_key}'={top_n}: top logprobs (alternatives per token) are not supported; "
-                       f"{'top_logprobs: 0 with logprobs: true' if chat else 'logprobs: 0'} returns the sampled "
-                       "tokens' logprobs", param=top_key)
+        logprobs, top_n = body.logprobs, body.top_logprobs or 0
+        if top_n and not logprobs:  # as OpenAI and vLLM: no silent null
+            raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    else:  # logprobs: N asks for the sampled token's logprob and N alternatives
+        logprobs, top_n = body.logprobs is not None, body.logprobs or 0
 
     ids = _chat_prompt_ids(body.messages, ctx) if chat else _prompt_ids(body.prompt, ctx)
     n = len(ids)
@@ -192,6 +191,7 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        top_logprobs=top_n,
     )
     try:
         params = SamplingParams(**kw)
@@ -201,7 +201,7 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         raise APIError(msg, param=field if field in body.model_fields_set else None) from None
     include_usage = body.stream_options.include_usage if body.stream_options else False
     return ParsedRequest(chat, ids, params, body.stream, include_usage, logprobs, body.return_token_ids, model,
-                         top_n)
+                         top_n, body.return_tokens_as_token_ids)
 
 
 # ----- responses ---------------------------------------------------------------------------
@@ -215,30 +215,63 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def token_str(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity: OpenAI's and vLLM's stand-in for it
 
 
-def completion_logprobs(tokens: list[str], lps: list[float], offset0: int = 0) -> dict:
-    """logprobs: 0 (the only value accepted): no alternatives, so an empty top list per token."""
+def token_str(tokenizer, token_id: int, as_id: bool = False) -> str:
+    return f"token_id:{token_id}" if as_id else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logprob(x: float) -> float:
+    return max(x, LOGPROB_FLOOR)
+
+
+def _top_dict(alts: list[tuple[str, float]]) -> dict[str, float]:
+    """{token string: logprob}, most likely first. Distinct ids can render alike (byte tokens of a partial
+    UTF-8 character all show U+FFFD): the most likely of them keeps the key."""
+    d: dict[str, float] = {}
+    for t, lp in alts:
+        d.setdefault(t, _logprob(lp))
+    return d
+
+
+def completion_logprobs(tokens: list[str], lps: list[float], alts: list[list[tuple[str, float]]],
+                        offset0: int = 0) -> dict:
+    """The legacy completions form; ``alts``: each token's alternatives (token string, logprob), descending
+    (empty lists for logprobs: 0)."""
     offsets, o = [], offset0
     for t in tokens:
         offsets.append(o)
         o += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": [{} for _ in tokens], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [_logprob(lp) for lp in lps],
+            "top_logprobs": [_top_dict(a) for a in alts], "text_offset": offsets}
 
 
-def chat_logprobs(tokens: list[str], lps: list[float]) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                        for t, lp in zip(tokens, lps)]}
+def _chat_entry(t: str, lp: float) -> dict:
+    return {"token": t, "logprob": _logprob(lp), "bytes": list(t.encode("utf-8"))}
+
+
+def chat_logprobs(tokens: list[str], lps: list[float], alts: list[list[tuple[str, float]]]) -> dict:
+    return {"content": [{**_chat_entry(t, lp), "top_logprobs": [_chat_entry(a, alp) for a, alp in alt]}
+                        for t, lp, alt in zip(tokens, lps, alts)]}
+
+
+def logprobs_object(req: ParsedRequest, tokenizer, token_ids: list[int], lps: list[float],
+                    tops: list | None, text_offset: int = 0) -> dict:
+    """The choice's ``logprobs`` for these tokens; ``tops``: each token's (token id, logprob) alternatives
+    from the engine (None for a token when the request asks for none)."""
+    def render(t):
+        return token_str(tokenizer, t, req.tokens_as_ids)
+    toks = [render(t) for t in token_ids]
+    alts = [[(render(i), lp) for i, lp in top] if top else [] for top in (tops or [None] * len(token_ids))]
+    return chat_logprobs(toks, lps, alts) if req.chat else completion_logprobs(toks, lps, alts, text_offset)
 
 
 def full_response(req: ParsedRequest, rid: str, text: str, token_ids: list[int], lps: list[float] | None,
-                  finish_reason: str, tokenizer) -> dict:
+                  tops: list | None, finish_reason: str, tokenizer) -> dict:
     lp_obj = None
     if req.logprobs:
-        toks = [token_str(tokenizer, t) for t in token_ids]
-        lp_obj = chat_logprobs(toks, lps or []) if req.chat else completion_logprobs(toks, lps or [])
+        lp_obj = logprobs_object(req, tokenizer, token_ids, lps or [], tops)
     if req.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp_obj,
                   "finish_reason": finish_reason}
@@ -255,11 +288,10 @@ def full_response(req: ParsedRequest, rid: str, text: str, token_ids: list[int],
 
 def stream_chunk(req: ParsedRequest, rid: str, created: int, delta_text: str | None, token_ids: list[int],
                  lps: list[float] | None, finish_reason: str | None, tokenizer, first: bool = False,
-                 text_offset: int = 0) -> dict:
+                 text_offset: int = 0, tops: list | None = None) -> dict:
     lp_obj = None
     if req.logprobs and token_ids:
-        toks = [token_str(tokenizer, t) for t in token_ids]
-        lp_obj = chat_logprobs(toks, lps or []) if req.chat else completion_logprobs(toks, lps or [], text_offset)
+        lp_obj = logprobs_object(req, tokenizer, token_ids, lps or [], tops, text_offset)
     if req.chat:
         delta = {"role": "assistant", "content": ""} if first else (
             {"content": delta_text} if delta_text or finish_reason is None else {})

@@ -15,9 +15,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from moejax.layers.sampler import MAX_TOP_LOGPROBS
+
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-MAX_TOP_LOGPROBS = 20
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]  # range checked in protocol.py with its message
@@ -45,6 +46,7 @@ class _Sampling(_Body):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     user: str | None = None
     # accepted only at their neutral values (protocol.py says which)
     best_of: Count | None = None
