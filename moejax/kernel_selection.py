@@ -156,7 +156,7 @@ def grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, shared=(), mode: st
     """Routed expert MLP (plus ``shared`` = (gate, up, down) shared experts in HF's layout, the groups
     after the routed ones) through the selected kernel; None when the XLA path should run."""
     N, H = x_sorted.shape
-    E, _, I = w_gate.shape
+    I = w_gate.shape[2]
     c = select_moe(N, group_sizes.shape[0], H, I, x_sorted.dtype, mode)
     if c.impl != "pallas":
         return None

@@ -189,7 +189,7 @@ def _down_kernel(eid_ref, h_ref, wd_ref, *refs, I, I_pad, H, E, BM, BN, BK):
         @pl.when(e >= E)
         def _():
             off = (e - E) * I  # shared expert e - E: columns [off, off + I) of the HF [H, S*I] matrix
-            dot = lambda h, kidx, nidx: _dot_nk(h, _matrix_tile(sd_ref, nidx, _shift(kidx, off), BN, BK))  # noqa: E731
+            dot = lambda h, kidx, nidx: _dot_nk(h, _matrix_tile(sd_ref, nidx, _shift(kidx, off), BN, BK))
             _down_tile(h_ref, o_ref, m, n, dot, I=I, I_pad=I_pad, H=H, BM=BM, BN=BN, BK=BK)
 
     def routed(h, kidx, nidx):

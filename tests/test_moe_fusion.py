@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import rel_err
 
 import moejax
-from conftest import rel_err
 from moejax.kernel_selection import kernel_mode, select_moe, shared_expert_fusion
 from moejax.layers.experts import ExpertWeights, SharedWeights, grouped_expert_mlp
 from moejax.tiny.checkpoint import make_random_checkpoint
@@ -43,7 +43,7 @@ def fused_reference(x, group_sizes, wg, wu, wd, sg, su, sd):
 
 
 def _inputs(rng, N, H, I, E, S, dtype):
-    n = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    n = lambda *shape: rng.standard_normal(shape).astype(np.float32)
     x = n(N, H)
     routed = [n(E, H, I) / H ** 0.5, n(E, H, I) / H ** 0.5, n(E, I, H) / I ** 0.5]
     shared = [n(S * I, H) / H ** 0.5, n(S * I, H) / H ** 0.5, n(H, S * I) / (S * I) ** 0.5]
@@ -182,6 +182,5 @@ def test_fusion_switch_and_defaults():
             assert fuse_shared_experts(16, 64, 32, jnp.float32)
     with shared_expert_fusion("off"), kernel_mode("pallas"):
         assert not fuse_shared_experts(16, 64, 32, jnp.float32)
-    with pytest.raises(ValueError, match="shared_expert_fusion"):
-        with shared_expert_fusion("yes"):
-            pass
+    with pytest.raises(ValueError, match="shared_expert_fusion"), shared_expert_fusion("yes"):
+        pass
