@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from moejax.kernel_selection import KERNEL_MODES
+from moejax.kernel_selection import KERNEL_MODES, SHARED_FUSION
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.kv_quant import KV_CACHE_DTYPES
 from moejax.models.registry import family_of
@@ -56,6 +56,7 @@ class EngineConfig:
     parallel: ParallelConfig | None = None  # None: one device, no mesh
     kernels: str = "auto"  # "auto" | "pallas" | "xla" (moejax/kernel_selection.py)
     fp8: Fp8Policy = NO_FP8  # which layer types keep FP8 block-scaled weights
+    fuse_shared_experts: str = "auto"  # "auto" | "on" | "off" (kernel_selection.shared_expert_fusion)
 
     @classmethod
     def create(cls, model, *, dtype: str = "bfloat16", parallel: str | ParallelConfig | None = None,
@@ -63,7 +64,8 @@ class EngineConfig:
                num_kv_blocks: int | None = None, max_prefill_tokens: int = 8192, kv_cache_dtype: str = "auto",
                kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
                fp8_variant: str = "w8a16", enable_prefix_caching: bool = True,
-               gpu_memory_utilization: float = 0.9, max_preemptions: int = 16) -> "EngineConfig":
+               gpu_memory_utilization: float = 0.9, max_preemptions: int = 16,
+               fuse_shared_experts: str = "auto") -> "EngineConfig":
         """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
 
         ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8), "fp8" also
@@ -77,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
+        if fuse_shared_experts not in SHARED_FUSION:
+            raise ValueError(f"fuse_shared_experts must be one of {SHARED_FUSION}, got {fuse_shared_experts!r}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         family = family_of(model)
@@ -120,6 +124,7 @@ class EngineConfig:
                 raise ValueError("moe_backend 'ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not "
                                  "implement; use 'a2a' or 'replicated' on CPU")
         return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels, fp8=fp8,
+                   fuse_shared_experts=fuse_shared_experts,
                    scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens, max_preemptions),
                    cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching,
                                      float(gpu_memory_utilization)))

@@ -58,14 +58,16 @@ def current_mode() -> str:
 
 
 class KernelScopedModule:
-    """A Flax module whose ``apply`` traces under ``kernel_mode(mode)``; everything else delegates."""
+    """A Flax module whose ``apply`` traces under ``kernel_mode(mode)`` and
+    ``shared_expert_fusion(fuse_shared)``; everything else delegates."""
 
-    def __init__(self, module, mode: str):
+    def __init__(self, module, mode: str, fuse_shared: str = "auto"):
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "kernels", check_mode(mode))
+        object.__setattr__(self, "fuse_shared", fuse_shared)
 
     def apply(self, *args, **kwargs):
-        with kernel_mode(self.kernels):
+        with kernel_mode(self.kernels), shared_expert_fusion(self.fuse_shared):
             return self._module.apply(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -150,14 +152,42 @@ def select_moe(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, 
     return Choice("pallas", p, "forced" if forced else "gpu")
 
 
-def grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, mode: str | None = None):
-    """Routed expert MLP through the selected kernel; None when the XLA path should run."""
+def grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, shared=(), mode: str | None = None):
+    """Routed expert MLP (plus ``shared`` = (gate, up, down) shared experts in HF's layout, the groups
+    after the routed ones) through the selected kernel; None when the XLA path should run."""
     N, H = x_sorted.shape
-    E, _, I = w_gate.shape
-    c = select_moe(N, E, H, I, x_sorted.dtype, mode)
+    I = w_gate.shape[2]
+    c = select_moe(N, group_sizes.shape[0], H, I, x_sorted.dtype, mode)
     if c.impl != "pallas":
         return None
-    return fused_moe(x_sorted, group_sizes, w_gate, w_up, w_down, **c.params)
+    return fused_moe(x_sorted, group_sizes, w_gate, w_up, w_down, *shared, **c.params)
+
+
+SHARED_FUSION = ("auto", "on", "off")
+_FUSE_SHARED: contextvars.ContextVar[str] = contextvars.ContextVar("moejax_fuse_shared", default="auto")
+
+
+@contextlib.contextmanager
+def shared_expert_fusion(setting: str):
+    """Shared experts inside the routed-expert kernel ("on"), beside it as their own MLP ("off"), or
+    "auto": fused where the fused MoE runs as the Pallas kernel (one launch streams every expert
+    weight), separate on the XLA path (its fused form copies the shared weights each step). Read at
+    trace time, like ``kernel_mode``; for measuring the fusion."""
+    if setting not in SHARED_FUSION:
+        raise ValueError(f"shared_expert_fusion must be one of {SHARED_FUSION}, got {setting!r}")
+    token = _FUSE_SHARED.set(setting)
+    try:
+        yield
+    finally:
+        _FUSE_SHARED.reset(token)
+
+
+def fuse_shared_experts(num_experts: int, hidden: int, inter: int, dtype, mode: str | None = None) -> bool:
+    """Whether the bf16 routed experts take the shared experts as extra groups (``shared_expert_fusion``)."""
+    setting = _FUSE_SHARED.get()
+    if setting != "auto":
+        return setting == "on"
+    return select_moe(num_experts, num_experts, hidden, inter, dtype, mode).impl == "pallas"
 
 
 # ------------------------------------------------------------------ block-FP8 weights

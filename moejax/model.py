@@ -65,7 +65,7 @@ class Model:
         self.routing = jax.device_put(routing_tree(self.placements, 1 + config.num_redundant_experts))
         # Pallas or XLA kernels, picked at trace time (moejax/kernel_selection.py).
         self.module = KernelScopedModule(build_module(config.model, config.dtype, config.expert_parallel, config.fp8),
-                                         config.kernels)
+                                         config.kernels, config.fuse_shared_experts)
         self._engine = None
 
     # Short names for what callers read most.
@@ -112,7 +112,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
          max_prefill_tokens: int = 8192, progress: bool = True, kv_cache_dtype: str = "auto",
          kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "w8a16",
          enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
-         max_preemptions: int = 16) -> Model:
+         max_preemptions: int = 16, fuse_shared_experts: str = "auto") -> Model:
     """Loads an HF checkpoint directory of a registered family (DeepSeek-V2/V3, Step3), or one
     written by ``moejax.save``.
 
@@ -130,6 +130,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     ``gpu_memory_utilization`` (0, 1]: without ``num_kv_blocks``, the cache fills what is left of this
     share of the device's memory after the weights (and a 2 GiB reserve); on CPU the cache is 2 GiB
     at most. ``max_preemptions``: a sequence preempted more often is finished with an error.
+    ``fuse_shared_experts``: "auto" (shared experts inside the routed-expert kernel where the Pallas
+    fused MoE runs), "on" or "off" (moejax/kernel_selection.py ``shared_expert_fusion``).
     Every argument is checked by ``EngineConfig.create`` (moejax/config.py).
     """
     if not isinstance(path, str) or not os.path.isdir(path):
@@ -144,7 +146,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
                                  kv_cache_dtype=kv_cache_dtype, kernels=kernels, weight_dtype=weight_dtype,
                                  fp8_layers=fp8_layers, fp8_variant=fp8_variant,
                                  enable_prefix_caching=enable_prefix_caching,
-                                 gpu_memory_utilization=gpu_memory_utilization, max_preemptions=max_preemptions)
+                                 gpu_memory_utilization=gpu_memory_utilization, max_preemptions=max_preemptions,
+                                 fuse_shared_experts=fuse_shared_experts)
     placer = ParamPlacer(config)
     marker = os.path.join(path, MARKER)
     if os.path.exists(marker):

@@ -58,17 +58,20 @@ def _layout(tmp_path, redundant=0, interval=0):
     return str(p)
 
 
-def _load(path, parallel=None):
-    return moejax.load(path, dtype="float32", parallel=parallel, max_model_len=128, max_num_seqs=4, progress=False)
+def _load(path, parallel=None, **kw):
+    return moejax.load(path, dtype="float32", parallel=parallel, max_model_len=128, max_num_seqs=4, progress=False,
+                       **kw)
 
 
 @pytestmark_devices
-@pytest.mark.parametrize("redundant", [0, 8])
-def test_rebalance_keeps_logits_and_counts_match_prediction(ckpt, tmp_path, redundant):
+@pytest.mark.parametrize("redundant,fuse", [(0, "off"), (8, "on")])
+def test_rebalance_keeps_logits_and_counts_match_prediction(ckpt, tmp_path, redundant, fuse):
     """On 8 devices: per-rank token counts measured in the dispatch equal those the placement predicts
     from the expert counts (before and after a rebalance); a forced rebalance leaves the logits
-    (rel 1e-6), greedy tokens and logprobs of the run before it unchanged."""
-    m = _load(ckpt, _layout(tmp_path, redundant))
+    (rel 1e-6), greedy tokens and logprobs of the run before it unchanged. With the shared expert
+    fused into the routed-expert computation ("on") the counts and placement are the same: the
+    shared expert is no slot and is never dispatched."""
+    m = _load(ckpt, _layout(tmp_path, redundant), fuse_shared_experts=fuse)
     rng = np.random.default_rng()
     ids = rng.integers(2, 320, size=(8, 17))
     prompts = [rng.integers(2, 320, size=int(rng.integers(3, 20))).tolist() for _ in range(8)]

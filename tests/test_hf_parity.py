@@ -15,11 +15,13 @@ def _hf_logits(ref, ids):
         return ref(torch.tensor(ids)).logits.float().numpy()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_score_matches_hf_float32(hf_checkpoints, family):
-    """Prefill logits against the HF transformers torch model (float32) on the same checkpoint: rel 1e-4."""
+@pytest.mark.parametrize("family,fuse", [("v3", "auto"), ("v2", "auto"), ("v3", "on"), ("v2", "on")])
+def test_score_matches_hf_float32(hf_checkpoints, family, fuse):
+    """Prefill logits against the HF transformers torch model (float32) on the same checkpoint: rel 1e-4;
+    also with the shared experts inside the routed-expert computation ("on")."""
     path, ref = hf_checkpoints[family]
-    model = moejax.load(path, dtype="float32", max_model_len=128, max_num_seqs=4, progress=False)
+    model = moejax.load(path, dtype="float32", max_model_len=128, max_num_seqs=4, progress=False,
+                        fuse_shared_experts=fuse)
     ids = np.random.default_rng().integers(0, model.config.model.vocab_size, size=(2, 23))
     ours = model.score(ids)
     assert ours.shape == (2, 23, model.config.model.vocab_size) and ours.dtype == np.float32

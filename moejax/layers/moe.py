@@ -7,7 +7,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from moejax.layers.experts import ExpertWeights
+from moejax import kernel_selection
+from moejax.layers.experts import ExpertWeights, SharedWeights
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy, Fp8Scheme
 from moejax.layers.linear import INIT_STD, fp8_param
 from moejax.layers.mlp import GatedMLP
@@ -33,7 +34,8 @@ class RoutedExperts(nn.Module):
     fp8: Fp8Scheme | None = None
 
     @nn.compact
-    def __call__(self, x, topk_idx, topk_weight, valid=None):
+    def __call__(self, x, topk_idx, topk_weight, valid=None, shared: SharedWeights | None = None):
+        """shared: shared experts to compute in the same grouped computation (weight 1, this rank's tokens)."""
         c = self.cfg
         E, H, I = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         here = (E + self.ep.num_redundant) // self.ep.n_ranks  # under shard_map Flax sees this rank's shard
@@ -53,15 +55,20 @@ class RoutedExperts(nn.Module):
         self.sow("stats", "expert_counts",
                  jnp.zeros((E,), jnp.int32).at[topk_idx.reshape(-1)].add(jnp.repeat(valid, topk_idx.shape[1]).astype(jnp.int32)))
         if self.ep.backend == "local":
-            y, n = dispatch.local_experts(x, topk_idx, topk_weight, valid, slots, replicas, w)
+            y, n = dispatch.local_experts(x, topk_idx, topk_weight, valid, slots, replicas, w, shared)
         else:
             fn = dispatch.dispatch_fn(self.ep.backend)
-            y, n = fn(x, topk_idx, topk_weight, valid, slots, replicas, w, self.ep.axis, self.ep.n_ranks)
+            y, n = fn(x, topk_idx, topk_weight, valid, slots, replicas, w, self.ep.axis, self.ep.n_ranks, shared)
         self.sow("stats", "dispatched", n)
         return y
 
 
 class MoE(nn.Module):
+    """Router, routed experts and shared experts (DeepSeek's ``shared_experts``, or a shared MLP the
+    caller owns: Step3's ``share_expert``). Where ``kernel_selection.fuse_shared_experts`` says so,
+    the shared experts run inside the routed-expert computation as always-selected extra experts of
+    weight 1 (``SharedWeights``); else beside it as their own MLP. Either way the parameters are the
+    same (HF's names and layout)."""
     cfg: Any  # a family config: n_routed_experts, hidden_size, moe_intermediate_size, n_shared_experts
     dtype: Any = jnp.float32
     ep: ExpertParallel = ExpertParallel()
@@ -75,12 +82,28 @@ class MoE(nn.Module):
             self.shared_experts = GatedMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, self.dtype,
                                            self.fp8.scheme("shared_experts"))
 
-    def __call__(self, x, valid=None):
-        """valid: which tokens are real (padding is neither counted nor dispatched)."""
+    def _fused_shared(self, shared: GatedMLP | None) -> SharedWeights | None:
+        """The shared MLP as SharedWeights when it runs inside the routed-expert kernel, else None:
+        both bf16/f32 (an FP8 side keeps its own kernel) and its width a multiple of the routed width."""
+        c = self.cfg
+        I = c.moe_intermediate_size
+        if (shared is None or shared.fp8 is not None or self.fp8.scheme("experts") is not None
+                or shared.intermediate_size % I or jnp.dtype(shared.dtype) != jnp.dtype(self.dtype)
+                or not kernel_selection.fuse_shared_experts(c.n_routed_experts, c.hidden_size, I, self.dtype)):
+            return None
+        return SharedWeights(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight, I)
+
+    def __call__(self, x, valid=None, shared: GatedMLP | None = None):
+        """valid: which tokens are real (padding is neither counted nor dispatched). shared: a shared MLP
+        of the caller's (Step3), added with weight 1 like DeepSeek's own shared experts."""
+        if self.cfg.n_shared_experts:
+            shared = self.shared_experts
+        fused = self._fused_shared(shared)
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         idx, w = self.gate(flat)
-        out = self.experts(flat, idx, w, None if valid is None else valid.reshape(-1)).astype(x.dtype).reshape(shape)
-        if self.cfg.n_shared_experts:
-            out = out + self.shared_experts(x)
+        out = self.experts(flat, idx, w, None if valid is None else valid.reshape(-1), fused)
+        out = out.astype(x.dtype).reshape(shape)
+        if shared is not None and fused is None:
+            out = out + shared(x)
         return out

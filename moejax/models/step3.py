@@ -225,8 +225,8 @@ class Step3DecoderLayer(PreNormDecoderLayer):
     attention = MFA
 
     def setup_extra(self):
-        # The MoE block adds no shared expert (Step3Config.n_shared_experts = 0): Step3's own
-        # shared expert sits beside it, on the MoE layers.
+        # Step3's shared expert is the layer's module (HF: layers.N.share_expert), not the MoE block's
+        # (Step3Config.n_shared_experts = 0); ffn hands it to the MoE block, which adds it.
         c = self.cfg
         if c.is_moe_layer(self.layer):
             self.share_expert = GatedMLP(c.hidden_size, c.share_expert_dim, self.dtype, self.fp8.scheme("shared_experts"))
@@ -234,7 +234,7 @@ class Step3DecoderLayer(PreNormDecoderLayer):
     def ffn(self, x, valid):
         if not self.cfg.is_moe_layer(self.layer):
             return self.mlp(x)
-        return self.mlp(x, valid) + self.share_expert(x)
+        return self.mlp(x, valid, self.share_expert)  # the MoE block adds it (fused with the experts where it can)
 
 
 class Step3ForCausalLM(CausalLM):

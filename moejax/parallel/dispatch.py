@@ -7,6 +7,10 @@ expert choices ``topk_idx``/``topk_weight`` [T, k], which tokens are real
 ``replicas`` [E]) and this rank's expert weights ([E_local, ...]), return
 (the weighted sum of the chosen experts' outputs for each local token, float32
 [T, H]; the number of (token, expert) pairs this rank's experts computed).
+With ``shared`` (SharedWeights, replicated on every rank) the shared experts run in
+the same grouped computation as this rank's routed experts, on this rank's own
+tokens only (never dispatched), and their outputs are added with weight 1; they
+are no slot of the placement tables and are not counted in the pairs.
 Physical slot s lives on rank s // E_local. Shapes are static and no
 token is dropped, whatever the routing. A token routed to an expert with several
 replicas goes to replica ``source_rank % replicas``: with balanced data-parallel
@@ -31,7 +35,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from moejax.layers.experts import grouped_expert_mlp
+from moejax.layers.experts import SharedWeights, grouped_expert_mlp
 
 BACKENDS = ("a2a", "ragged", "replicated")
 
@@ -51,25 +55,43 @@ def physical_slots(topk_idx, slots, replicas, source_rank):
     return jnp.take_along_axis(slots[topk_idx], (src % replicas[topk_idx])[..., None], axis=-1)[..., 0]
 
 
-def _apply_local_experts(x, local_ids, weights, w):
-    """x [M, H]; local_ids/weights [M, k], id -1 = not on this rank. Returns ([M, H] float32, pairs computed)."""
+def _apply_local_experts(x, local_ids, weights, w, shared: SharedWeights | None = None, x_own=None):
+    """x [M, H]; local_ids/weights [M, k], id -1 = not on this rank. With ``shared``: the shared experts
+    run in the same grouped computation on ``x_own`` [T, H] (this rank's own tokens: shared experts are
+    never dispatched), appended as S extra groups of weight 1 after the routed ones.
+    Returns (routed [M, H] float32, shared [T, H] float32 or None, (token, routed expert) pairs computed)."""
     M, k = local_ids.shape
     E_loc = w.num_experts
+    S = 0 if shared is None else shared.num_experts
     valid = local_ids >= 0
-    key = jnp.where(valid, local_ids, E_loc).reshape(-1)  # invalid entries sort last, outside every group
+    key = jnp.where(valid, local_ids, E_loc + S).reshape(-1)  # invalid entries sort last, outside every group
+    src, wts, ok, rows = jnp.arange(M * k) // k, weights.reshape(-1), valid.reshape(-1), x
+    if S:
+        T = x_own.shape[0]
+        key = jnp.concatenate([key, jnp.repeat(E_loc + jnp.arange(S, dtype=key.dtype), T)])
+        src = jnp.concatenate([src, M + jnp.tile(jnp.arange(T), S)])
+        wts = jnp.concatenate([wts, jnp.ones((S * T,), wts.dtype)])
+        ok = jnp.concatenate([ok, jnp.ones((S * T,), bool)])
+        rows = jnp.concatenate([x, x_own.astype(x.dtype)])
     order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=E_loc + 1)[:E_loc].astype(jnp.int32)
-    row = order // k
-    y = grouped_expert_mlp(x[row], group_sizes, w)
-    ok = valid.reshape(-1)[order]
-    w = jnp.where(ok, weights.reshape(-1)[order], 0.0)
-    y = jnp.where(ok[:, None], y * w[:, None], 0.0)  # rows outside the groups are unspecified
-    return jnp.zeros((M, x.shape[-1]), jnp.float32).at[row].add(y), group_sizes.sum()
+    group_sizes = jnp.bincount(key, length=E_loc + S + 1)[:E_loc + S].astype(jnp.int32)
+    row = src[order]
+    y = grouped_expert_mlp(rows[row], group_sizes, w, shared)
+    ok = ok[order]
+    wt = jnp.where(ok, wts[order], 0.0)
+    y = jnp.where(ok[:, None], y * wt[:, None], 0.0)  # rows outside the groups are unspecified
+    out = jnp.zeros((rows.shape[0], x.shape[-1]), jnp.float32).at[row].add(y)
+    return out[:M], (out[M:] if S else None), group_sizes[:E_loc].sum()
 
 
-def local_experts(x, topk_idx, topk_weight, valid, slots, replicas, w):
+def _plus(y, shared_y):
+    return y if shared_y is None else y + shared_y
+
+
+def local_experts(x, topk_idx, topk_weight, valid, slots, replicas, w, shared=None):
     ids = jnp.where(valid[:, None], physical_slots(topk_idx, slots, replicas, 0), -1)
-    return _apply_local_experts(x, ids, topk_weight, w)
+    y, ys, n = _apply_local_experts(x, ids, topk_weight, w, shared, x)
+    return _plus(y, ys), n
 
 
 def _route(topk_idx, valid, slots, replicas, E_loc, source_rank):
@@ -78,7 +100,7 @@ def _route(topk_idx, valid, slots, replicas, E_loc, source_rank):
     return rank, s % E_loc  # rank, expert index on that rank
 
 
-def a2a(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int):
+def a2a(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int, shared=None):
     T, H = x.shape
     E_loc = w.num_experts
     rank, loc = _route(topk_idx, valid, slots, replicas, E_loc, jax.lax.axis_index(axis))
@@ -89,24 +111,24 @@ def a2a(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks:
     wts = jnp.where(to, topk_weight[None], 0.0)
     exchange = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)
     rx, rids, rw = exchange(buf), exchange(ids), exchange(wts)  # row block j came from rank j
-    y, n = _apply_local_experts(rx.reshape(n_ranks * T, H), rids.reshape(n_ranks * T, -1),
-                                rw.reshape(n_ranks * T, -1), w)
+    y, ys, n = _apply_local_experts(rx.reshape(n_ranks * T, H), rids.reshape(n_ranks * T, -1),
+                                    rw.reshape(n_ranks * T, -1), w, shared, x)
     back = exchange(y.astype(x.dtype).reshape(n_ranks, T, H))  # block j: rank j's partial sums
-    return back.astype(jnp.float32).sum(0), n
+    return _plus(back.astype(jnp.float32).sum(0), ys), n
 
 
-def replicated(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int):
+def replicated(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int, shared=None):
     E_loc = w.num_experts
     T = x.shape[0]
     me = jax.lax.axis_index(axis)
     gather = lambda a: jax.lax.all_gather(a, axis, tiled=True)
     gx, gi, gw, gv = gather(x), gather(topk_idx), gather(topk_weight), gather(valid)
     rank, loc = _route(gi, gv, slots, replicas, E_loc, jnp.arange(n_ranks * T) // T)  # source rank of each row
-    y, n = _apply_local_experts(gx, jnp.where(rank == me, loc, -1), gw, w)
-    return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True), n
+    y, ys, n = _apply_local_experts(gx, jnp.where(rank == me, loc, -1), gw, w, shared, x)
+    return _plus(jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True), ys), n
 
 
-def ragged(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int):
+def ragged(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int, shared=None):
     """As ``a2a`` but moving only the rows that exist (GPU only; run on one GPU, not yet on several)."""
     if jax.default_backend() == "cpu":
         raise NotImplementedError("moe_backend 'ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not "
@@ -139,14 +161,15 @@ def ragged(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ran
     rids = go(ids, jnp.full((cap, k), -1, jnp.int32))
     rw = go(wts, jnp.zeros((cap, k), wts.dtype))
     valid_rows = jnp.arange(cap) < recv_sizes.sum()
-    y, n = _apply_local_experts(rx, jnp.where(valid_rows[:, None], rids, -1), rw, w)
+    y, ys, n = _apply_local_experts(rx, jnp.where(valid_rows[:, None], rids, -1), rw, w, shared, x)
     # Return path: what I received from sender s goes back to s's packed rows.
     recv_off = jnp.cumsum(recv_sizes) - recv_sizes
     back_out_off = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]  # offset of my chunk inside sender s's packed rows
     back = jax.lax.ragged_all_to_all(y.astype(x.dtype), jnp.zeros((cap, H), x.dtype), recv_off, recv_sizes,
                                      back_out_off, send_sizes, axis_name=axis)
     ok = jnp.arange(cap) < send_sizes.sum()
-    return jnp.zeros((T, H), jnp.float32).at[tok].add(jnp.where(ok[:, None], back.astype(jnp.float32), 0.0)), n
+    y = jnp.zeros((T, H), jnp.float32).at[tok].add(jnp.where(ok[:, None], back.astype(jnp.float32), 0.0))
+    return _plus(y, ys), n
 
 
 def dispatch_fn(backend: str):
