@@ -39,6 +39,7 @@ class SchedulerConfig:
     max_model_len: int  # prompt + output tokens of one sequence
     max_num_seqs: int = 256  # per data-parallel rank
     max_prefill_tokens: int = 8192  # prompt tokens of one prefill step (longer prompts go in chunks)
+    async_scheduling: bool = True  # build decode step t+1 while step t runs; read t's tokens one step late
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,8 @@ class EngineConfig:
                max_model_len: int | None = None, max_num_seqs: int = 256, block_size: int = 16,
                num_kv_blocks: int | None = None, max_prefill_tokens: int = 8192, kv_cache_dtype: str = "auto",
                kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
-               fp8_variant: str = "w8a16", enable_prefix_caching: bool = True) -> "EngineConfig":
+               fp8_variant: str = "w8a16", enable_prefix_caching: bool = True,
+               async_scheduling: bool = True) -> "EngineConfig":
         """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
 
         ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8), "fp8" also
@@ -79,6 +81,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
         if num_kv_blocks is not None and not _positive_int(num_kv_blocks):
             raise ValueError(f"num_kv_blocks must be a positive integer or None, got {num_kv_blocks!r}")
         if max_model_len is None:
@@ -105,7 +109,7 @@ class EngineConfig:
                 raise ValueError("moe_backend 'ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not "
                                  "implement; use 'a2a' or 'replicated' on CPU")
         return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels, fp8=fp8,
-                   scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens),
+                   scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens, async_scheduling),
                    cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching))
 
     @property

@@ -111,7 +111,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
          max_num_seqs: int = 256, block_size: int = 16, num_kv_blocks: int | None = None,
          max_prefill_tokens: int = 8192, progress: bool = True, kv_cache_dtype: str = "auto",
          kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "w8a16",
-         enable_prefix_caching: bool = True) -> Model:
+         enable_prefix_caching: bool = True, async_scheduling: bool = True) -> Model:
     """Loads an HF checkpoint directory of a registered family (DeepSeek-V2/V3, Step3), or one
     written by ``moejax.save``.
 
@@ -126,6 +126,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     projections; or a comma list, moejax/layers/fp8_policy.py); ``fp8_variant`` "w8a16" | "w8a8".
     ``max_prefill_tokens`` bounds one prefill step (longer prompts are prefilled in chunks);
     ``enable_prefix_caching`` reuses the KV blocks of a prompt's longest cached prefix.
+    ``async_scheduling`` builds each decode step while the one before it runs (its tokens read one
+    step late; the same tokens as with it off: moejax/engine/llm_engine.py).
     Every argument is checked by ``EngineConfig.create`` (moejax/config.py).
     """
     if not isinstance(path, str) or not os.path.isdir(path):
@@ -139,7 +141,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
                                  num_kv_blocks=num_kv_blocks, max_prefill_tokens=max_prefill_tokens,
                                  kv_cache_dtype=kv_cache_dtype, kernels=kernels, weight_dtype=weight_dtype,
                                  fp8_layers=fp8_layers, fp8_variant=fp8_variant,
-                                 enable_prefix_caching=enable_prefix_caching)
+                                 enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling)
     placer = ParamPlacer(config)
     marker = os.path.join(path, MARKER)
     if os.path.exists(marker):

@@ -19,6 +19,7 @@ through the MoE dispatch backend's collectives).
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,21 @@ def default_num_blocks(config: EngineConfig) -> int:
     return int(n)
 
 
+@dataclasses.dataclass
+class DecodeStep:
+    """A dispatched decode step: its outputs stay on the device until ``read``."""
+    seqs: list[Sequence]
+    toks: jax.Array  # [N, B] sampled tokens (row i of rank r: the i-th of that rank's sequences)
+    lps: jax.Array  # [N, B] their logprobs
+    index: dict[int, tuple[int, int]]  # seq_id -> (rank, row)
+
+
+def _feed(prev, rows, host):
+    """Decode input tokens [N, B]: row i takes prev[r, rows[r, i]] (the token the step before sampled
+    for that sequence, never read by the host) where rows >= 0, else the host's token."""
+    return jnp.where(rows >= 0, jnp.take_along_axis(prev, jnp.maximum(rows, 0), axis=1), host)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, module, params, routing, mesh=None):
         """module: the Flax model (kernel-scoped); params/routing on device (sharded over ``mesh``)."""
@@ -91,6 +107,11 @@ class ModelRunner:
         self._prefill_paged = self._compile(self._prefill_paged_rank, "prefill_paged", with_cache=True)
         self._decode = self._compile(self._decode_rank, "decode", with_cache=True)
         self._score = self._compile(self._score_rank, "score", with_cache=False)
+        def feed(prev, rows, host):
+            self.trace_counts["feed"] += 1
+            return _feed(prev, rows, host)
+        # Same rank layout as the steps' outputs, so the decode step sees the sharding it always does.
+        self._feed = jax.jit(feed) if mesh is None else jax.jit(feed, out_shardings=NamedSharding(mesh, RANK))
 
     def _vars(self, params, routing):
         return {"params": params, "routing": routing}
@@ -264,32 +285,61 @@ class ModelRunner:
         return tokens, positions, lens, ctx, slots, tables
 
     def decode(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
-        """One token for each sequence; its last token is the one being fed."""
+        """One token for each sequence; its last token is the one being fed (synchronous: read at once)."""
+        return self.read(self.dispatch_decode(seqs))
+
+    def dispatch_decode(self, seqs: list[Sequence], prev: DecodeStep | None = None) -> DecodeStep:
+        """Launches one decode step without waiting for it (JAX dispatch is asynchronous). A sequence
+        with a token pending from ``prev`` (the step still in flight) is fed that token on the device,
+        at the position after it; positions, slots and block tables are the host's, since each step
+        grows a sequence by exactly one token."""
         ranks, per_rank = self._by_rank(seqs)
         N, B = self.num_ranks, min(next_pow2(per_rank), next_pow2(self.max_num_seqs))
         nb = min(next_pow2(max(len(s.block_table) for s in seqs)), next_pow2(self.max_blocks_per_seq))
         tokens, positions, lens = (np.zeros((N, B), np.int32) for _ in range(3))
+        rows = np.full((N, B), -1, np.int32)  # where a pending token sits in prev's output
         slots = np.full((N, B), self.num_slots, np.int32)
         tables = np.zeros((N, B, nb), np.int32)
+        index = {}
         for r, rs in enumerate(ranks):
             for i, s in enumerate(rs):
-                pos = len(s) - 1
-                tokens[r, i], positions[r, i], lens[r, i] = s.token_ids[-1], pos, pos + 1
+                pos = len(s) - 1 + s.num_pending_tokens
+                if s.num_pending_tokens:
+                    if prev is None or s.seq_id not in prev.index or s.num_pending_tokens > 1:
+                        raise RuntimeError(f"sequence {s.seq_id}: its pending token is not in the step in flight")
+                    rows[r, i] = prev.index[s.seq_id][1]
+                else:
+                    tokens[r, i] = s.token_ids[-1]
+                positions[r, i], lens[r, i] = pos, pos + 1
                 slots[r, i] = self._slot(s, pos)
                 tables[r, i, :len(s.block_table)] = s.block_table
+                index[s.seq_id] = (r, i)
+        if (rows >= 0).any():
+            tokens = self._feed(prev.toks, rows, tokens)
         self.cache, toks, lps, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens,
                                                                  positions, slots, tables, lens,
                                                                  self._sampling_arrays(ranks, B))
         self._record(counts, dispatched)
-        got = self._gather(ranks, toks, lps)
         for s in seqs:
-            s.num_cached_tokens = len(s)
-        return np.array([got[s.seq_id][0] for s in seqs]), np.array([got[s.seq_id][1] for s in seqs])
+            s.num_pending_tokens += 1
+        return DecodeStep(list(seqs), toks, lps, index)
+
+    def read(self, step: DecodeStep) -> tuple[np.ndarray, np.ndarray]:
+        """Waits for a dispatched decode step and returns its tokens and logprobs in ``step.seqs`` order
+        (the one device-to-host copy of the step). The fed tokens' latents are now cached."""
+        toks, lps = jax.device_get((step.toks, step.lps))
+        at = [step.index[s.seq_id] for s in step.seqs]
+        for s in step.seqs:
+            s.num_pending_tokens -= 1
+            if s.block_table:  # not freed since it was dispatched (finished, aborted or preempted)
+                s.num_cached_tokens = len(s)  # up to the token this step fed
+        return (np.array([toks[r, i] for r, i in at], np.int64), np.array([lps[r, i] for r, i in at], np.float32))
 
     def _record(self, counts, dispatched):
-        """Keeps the last step's expert statistics on the host (a few KB)."""
-        self.last_expert_counts = np.asarray(counts)  # [ranks, L_moe, E]: tokens of each source rank
-        self.last_dispatched = np.asarray(dispatched)  # [ranks, L_moe], measured in the dispatch
+        """Keeps the last step's expert statistics, on the device: the balancer reads them in batches,
+        so no step waits on a device-to-host copy for them."""
+        self.last_expert_counts = counts  # [ranks, L_moe, E]: tokens of each source rank
+        self.last_dispatched = dispatched  # [ranks, L_moe], measured in the dispatch
 
     def set_routing(self, params, routing):
         """Swaps in permuted expert weights and their placement tables (same shapes: no recompilation)."""
