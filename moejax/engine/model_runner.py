@@ -316,6 +316,8 @@ class ModelRunner:
                 index[s.seq_id] = (r, i)
         if (rows >= 0).any():
             tokens = self._feed(prev.toks, rows, tokens)
+        elif self.mesh is not None:  # committed as the fed tokens are: one trace of the step, not one for each
+            tokens = jax.device_put(tokens, NamedSharding(self.mesh, RANK))
         self.cache, toks, lps, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens,
                                                                  positions, slots, tables, lens,
                                                                  self._sampling_arrays(ranks, B))
