@@ -45,6 +45,7 @@ class SchedulerConfig:
     # A sequence preempted more often than this is finished with an error instead of being recomputed
     # again (a cache too small for the load could otherwise keep a request from ever finishing).
     max_preemptions: int = 16
+    async_scheduling: bool = True  # build decode step t+1 while step t runs; read t's tokens one step late
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ class EngineConfig:
                kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
                fp8_variant: str = "w8a16", enable_prefix_caching: bool = True,
                gpu_memory_utilization: float = 0.9, max_preemptions: int = 16,
-               fuse_shared_experts: str = "auto") -> "EngineConfig":
+               fuse_shared_experts: str = "auto", async_scheduling: bool = True) -> "EngineConfig":
         """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
 
         ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8), "fp8" also
@@ -93,6 +94,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
         if num_kv_blocks is not None and not _positive_int(num_kv_blocks):
             raise ValueError(f"num_kv_blocks must be a positive integer or None, got {num_kv_blocks!r}")
         if (not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
@@ -125,7 +128,8 @@ class EngineConfig:
                                  "implement; use 'a2a' or 'replicated' on CPU")
         return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels, fp8=fp8,
                    fuse_shared_experts=fuse_shared_experts,
-                   scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens, max_preemptions),
+                   scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens, max_preemptions,
+                                             async_scheduling),
                    cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching,
                                      float(gpu_memory_utilization)))
 

@@ -10,6 +10,12 @@ matmul rate.
   python scripts/bench_decode.py --preset deepseek-v2-lite --concurrency 1024 --input-len 2000 \
       --kernels auto,xla --fill random --peer
 
+  python scripts/bench_decode.py --preset deepseek-v2-lite --concurrency 64,1024 --host-overhead --fill random
+
+--host-overhead times the engine's decode loop, synchronous and overlapped (async scheduling), against
+the same compiled step called alone back to back with its inputs on the device: host overhead =
+(engine step - device step) / engine step.
+
 --fill prefill (default) runs the real prefill; --fill random admits the batch as if prefilled
 (blocks allocated, every prompt position's cache row written with random values, one token
 appended): the decode steps then read a full-length cache exactly as after a prefill, at a
@@ -212,7 +218,9 @@ def weight_kw(wd: str) -> dict:
     return dict(weight_dtype=fmt, **({"fp8_layers": kinds.replace("+", ",")} if kinds else {}))
 
 
-def run_one(hf, parallel, kernels, a, weight_dtype="bf16"):
+def run_one(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=True, device_steps=0):
+    """Engine decode step times [s] at the point; with ``device_steps``, also the compiled step's own
+    time (device_step_time). Returns (times, memory, device step time or None)."""
     if weight_dtype not in _PARAMS:
         _PARAMS.clear()  # one weight format's weights on the device at a time
         gc.collect()
@@ -225,7 +233,8 @@ def run_one(hf, parallel, kernels, a, weight_dtype="bf16"):
                      params=_PARAMS[weight_dtype], **weight_kw(weight_dtype), fp8_variant=a.fp8_variant,
                      kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype],
                      max_model_len=a.input_len + a.output_len + 16, max_num_seqs=per_rank,
-                     num_kv_blocks=per_rank * (-(-(a.input_len + a.output_len + 16) // 16)))
+                     num_kv_blocks=per_rank * (-(-(a.input_len + a.output_len + 16) // 16)),
+                     async_scheduling=async_scheduling)
     eng = m.engine
     rng = np.random.default_rng(0)
     seqs = [eng.add_request(rng.integers(2, m.config.model.vocab_size, size=a.input_len).tolist(),
@@ -238,20 +247,69 @@ def run_one(hf, parallel, kernels, a, weight_dtype="bf16"):
     while len(times) < a.warmup + a.steps:
         if any(s.is_finished for s in seqs):
             break  # the batch must stay full: raise --output-len for more steps
-        compiled = eng.runner.trace_counts["decode"]
+        compiled = eng.runner.trace_counts["decode"] + eng.runner.trace_counts["feed"]
         t = time.perf_counter()
         kind, stepped = eng.step()
         assert kind == "decode"
-        if eng.runner.trace_counts["decode"] == compiled:  # a step that compiled (new bucket) is not timed
+        if eng.runner.trace_counts["decode"] + eng.runner.trace_counts["feed"] == compiled:  # compiled: not timed
             times.append(time.perf_counter() - t)
     times = times[a.warmup:]
     if not times:
         raise SystemExit(f"no decode step was timed: --output-len {a.output_len} leaves no steps after "
                          f"{a.warmup} warm-up steps")
     memory = decode_memory(eng) if a.memory and not any(s.is_finished for s in seqs) else None
+    device = device_step_time(eng, device_steps) if device_steps and not any(s.is_finished for s in seqs) else None
     del m, eng, seqs
     gc.collect()  # the engine's reference cycles hold the KV cache: free it before the next variant fills its own
-    return times, memory
+    return times, memory, device
+
+
+def device_step_time(eng, n: int) -> float:
+    """The engine's compiled decode step alone: one more engine step's arguments captured and put on
+    the device, then n calls back to back (the donated cache chained through) timed to the last one's
+    completion. The engine's step time minus this is the host's share (what the loop does not hide)."""
+    r = eng.runner
+    real, got = r._decode, {}
+
+    def capture(*args):
+        got["args"] = args
+        return real(*args)
+
+    r._decode = capture
+    try:
+        eng.step()
+    finally:
+        r._decode = real
+    params, routing, _, *rest = got["args"]
+    rest = jax.device_put(rest)  # host arrays to the device once: the timed calls copy nothing
+    cache = real(params, routing, r.cache, *rest)[0]  # warm (already compiled: same shapes)
+    jax.block_until_ready(cache)
+    rounds = []
+    for _ in range(3):  # the median of three rounds: one disturbed round does not move it
+        t = time.perf_counter()
+        for _ in range(n):
+            cache = real(params, routing, cache, *rest)[0]
+        jax.block_until_ready(cache)
+        rounds.append((time.perf_counter() - t) / n)
+    r.cache = cache
+    return statistics.median(rounds)
+
+
+def host_overhead(hf, a, results) -> None:
+    """--host-overhead: the engine's decode step time, synchronous and overlapped loops, against the
+    device time of the same compiled step called alone; host overhead = (engine - device) / engine."""
+    kern, layout, wd = a.kernels.split(",")[0], a.parallel.split(",")[0], a.weight_dtype.split(",")[0]
+    out = results.setdefault("host_overhead", {})
+    for mode in ("sync", "async"):
+        times, _, device = run_one(hf, layout, kern, a, wd, async_scheduling=mode == "async", device_steps=a.steps)
+        if device is None:
+            raise SystemExit("--host-overhead: the batch finished before the device timing: raise --output-len")
+        engine = statistics.median(times)
+        out[mode] = {"engine_step_s": engine, "device_step_s": device, "host_overhead": (engine - device) / engine,
+                     "steps": len(times)}
+        print(f"{mode:>6} loop: engine step {engine * 1e3:.3f} ms, device step alone {device * 1e3:.3f} ms, "
+              f"host overhead {out[mode]['host_overhead'] * 100:.1f}% (c{a.concurrency}, {layout}, {kern})")
+        sys.stdout.flush()
 
 
 def decode_memory(eng) -> dict:
@@ -306,6 +364,9 @@ def main(argv=None):
     ap.add_argument("--fp8-variant", choices=["w8a16", "w8a8"], default="w8a16")
     ap.add_argument("--components", action="store_true", help="also time attention and MoE alone at the step's shapes")
     ap.add_argument("--peer", action="store_true", help="also run HF transformers (PyTorch) at the same batch and lengths")
+    ap.add_argument("--host-overhead", action="store_true",
+                    help="instead of the variants: the engine's step time with the synchronous and the overlapped "
+                         "(async scheduling) loop against the compiled step alone (first kernels/parallel/weights)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     try:
@@ -381,11 +442,16 @@ def _bench(a, argv):
             with open(a.json, "w") as f:
                 json.dump(results, f, indent=2)
 
+    if a.host_overhead:
+        host_overhead(hf, a, results)
+        save()
+        return
+
     for wd, kern, p in itertools.product(weight_dtypes, kernel_modes, a.parallel.split(",")):
         t0, why = time.perf_counter(), None
         label = kern if len(weight_dtypes) == 1 else f"{kern}, {wd} weights"
         try:
-            t, memory = run_one(hf, p, kern, a, wd)
+            t, memory, _ = run_one(hf, p, kern, a, wd)
         except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: record it, run the other variants
             why = str(e).strip().splitlines()[0][:300]
         if why is not None:

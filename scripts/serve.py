@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens of one prefill step; longer prompts are prefilled in chunks")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV blocks of a prompt's longest cached prefix (vLLM's automatic prefix caching)")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="build decode step t+1 while step t runs, reading t's tokens one step late (vLLM's async "
+                         "scheduling); --no-async-scheduling reads every step's tokens before the next")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds SIGTERM/SIGINT lets requests in flight finish before aborting them (exit 0)")
     ap.add_argument("--api-key", default=os.environ.get("MOEJAX_API_KEY"),
@@ -72,7 +75,8 @@ def build_load_kwargs(a: argparse.Namespace) -> dict:
                 num_kv_blocks=a.num_kv_blocks, max_prefill_tokens=a.max_prefill_tokens, parallel=a.parallel,
                 kv_cache_dtype=a.kv_cache_dtype, kernels=a.kernels, weight_dtype=a.weight_dtype,
                 fp8_layers=a.fp8_layers, fp8_variant=a.fp8_variant, enable_prefix_caching=a.enable_prefix_caching,
-                gpu_memory_utilization=a.gpu_memory_utilization, max_preemptions=a.max_preemptions)
+                gpu_memory_utilization=a.gpu_memory_utilization, max_preemptions=a.max_preemptions,
+                async_scheduling=a.async_scheduling)
 
 
 def main(argv=None) -> int:

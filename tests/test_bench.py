@@ -188,3 +188,17 @@ def test_prefill_bench_packed_against_padded(tmp_path):
         r = res[name]["mixed"]["30,5,17"]
         assert r["tokens"] == 52 and r["packed"]["tokens_computed"] == 64 and r["padded"]["tokens_computed"] == 96
         assert r["logits_rel_err"] < 2e-2 and r["packed"]["step_s"] > 0
+
+
+def test_host_overhead_of_both_loops(tmp_path):
+    """bench_decode --host-overhead (v3-tiny, CPU): the synchronous and the overlapped loop each get an
+    engine step time, the compiled step's own time and their relative difference, in the JSON."""
+    import bench_decode
+    out = tmp_path / "host.json"
+    bench_decode.main(["--preset", "v3-tiny", "--concurrency", "2", "--input-len", "12", "--output-len", "12",
+                       "--steps", "3", "--warmup", "2", "--fill", "random", "--host-overhead", "--json", str(out)])
+    res = json.loads(out.read_text())["host_overhead"]
+    assert set(res) == {"sync", "async"}
+    for r in res.values():
+        assert r["engine_step_s"] > 0 and r["device_step_s"] > 0 and r["steps"] == 3
+        assert r["host_overhead"] == pytest.approx((r["engine_step_s"] - r["device_step_s"]) / r["engine_step_s"])

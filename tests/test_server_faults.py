@@ -311,15 +311,15 @@ def test_step_fault_fails_only_its_requests(server, model):
     [DONE]); the engine goes on: /health 200, later requests are served, request_errors counts them."""
     runner = model.engine.runner
     poison = int(np.random.default_rng().integers(2, 200))
-    real = runner.decode
+    real = runner.dispatch_decode  # every decode step, synchronous (decode) or overlapped
 
-    def faulty(seqs):
+    def faulty(seqs, *args):
         if any(s.token_ids[0] == poison and s.num_output_tokens >= 2 for s in seqs):
             raise OverflowError("injected fault")
-        return real(seqs)
+        return real(seqs, *args)
 
     before = parse_metrics(_request(server.url, "/metrics")[2].decode())
-    runner.decode = faulty
+    runner.dispatch_decode = faulty
     try:
         prompt = [poison, 7, 8, 9]
         status, body = _post(server.url, "/v1/completions", {"prompt": prompt, "max_tokens": 20, "ignore_eos": True})
@@ -335,7 +335,7 @@ def test_step_fault_fails_only_its_requests(server, model):
                                                              "ignore_eos": True})
         assert status == 200 and body["usage"]["completion_tokens"] == 6
     finally:
-        runner.decode = real
+        runner.dispatch_decode = real
     after = parse_metrics(_request(server.url, "/metrics")[2].decode())
     assert after["moejax:request_errors_total"] - before["moejax:request_errors_total"] == 2
     assert "vllm:prefix_cache_queries_total" in after and "vllm:prefix_cache_hits_total" in after

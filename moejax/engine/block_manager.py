@@ -159,11 +159,13 @@ class BlockManager:
         return seq.num_cached_tokens
 
     def can_append(self, seq: Sequence) -> bool:
-        """Room for the token the next decode step writes (at position len(seq) - 1)."""
-        return self.blocks_needed(len(seq)) <= len(seq.block_table) or len(self.pools[seq.dp_rank].free) > 0
+        """Room for the token the next decode step writes: at position len(seq) - 1, or one further per
+        token still pending on the device (async scheduling: its position is known, not its value)."""
+        n = len(seq) + seq.num_pending_tokens
+        return self.blocks_needed(n) <= len(seq.block_table) or len(self.pools[seq.dp_rank].free) > 0
 
     def append(self, seq: Sequence) -> None:
-        if self.blocks_needed(len(seq)) > len(seq.block_table):
+        if self.blocks_needed(len(seq) + seq.num_pending_tokens) > len(seq.block_table):
             seq.block_table.append(self.pools[seq.dp_rank].take())
 
     def cache_computed(self, seq: Sequence) -> None:

@@ -2,6 +2,22 @@
 
 Decode-only time and tokens are accumulated separately from prefill, so decode
 throughput can be reported without prefill time (as the reference numbers are).
+
+With ``async_scheduling`` (the default, as vLLM's async scheduling) decode steps overlap
+the host's work: ``step()`` schedules and dispatches decode step t+1 before it reads step t's
+tokens, so the device never waits for the host to build its next inputs. Step t+1's input
+tokens are step t's sampled tokens, gathered on the device into t+1's batch order
+(ModelRunner.dispatch_decode); positions, slots and block tables are known on the host, since
+a step grows each sequence by one token. The host then reads step t (one device-to-host copy),
+appends its tokens and checks EOS, stop strings, lengths and aborts, one step late: a sequence
+that finished at step t was already scheduled into t+1, where its token is discarded (its
+blocks are freed at once: every later write to them is dispatched after t+1's). A sequence
+whose in-flight token must end it by length is not scheduled again. Each call returns one
+decode step's sequences, exactly those and the tokens the synchronous loop gives.
+
+The loop synchronises (reads the step in flight before scheduling) when a prefill could
+come next: a prefill is built from the host's tokens (a preempted sequence's included) and
+runs synchronously, as with async scheduling off.
 """
 
 from __future__ import annotations
@@ -14,7 +30,7 @@ from tqdm.auto import tqdm
 
 from moejax.config import EngineConfig
 from moejax.engine.block_manager import BlockManager
-from moejax.engine.model_runner import ModelRunner
+from moejax.engine.model_runner import DecodeStep, ModelRunner
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.scheduler import Scheduler
 from moejax.engine.sequence import Sequence
@@ -60,9 +76,13 @@ class LLMEngine:
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, runner.num_ranks, runner.max_num_seqs,
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, runner.max_num_seqs * runner.num_ranks,
-                                   config.scheduler.max_prefill_tokens, config.scheduler.max_preemptions)
+                                   config.scheduler.max_prefill_tokens, config.scheduler.max_preemptions,
+                                   runner.max_model_len)
         self.stats = EngineStats()
         self._rng = random.Random()
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: DecodeStep | None = None  # the decode step dispatched and not yet read
+        self._reading: DecodeStep | None = None  # the one being read (the next one dispatched already)
 
     @property
     def max_model_len(self) -> int:
@@ -100,11 +120,77 @@ class LLMEngine:
 
     def step(self) -> tuple[str, list[Sequence]]:
         """Runs one prefill or decode step. Returns (kind, sequences that got a token): a prefill
-        step whose chunks complete no prompt returns ("prefill", [])."""
-        kind, seqs = self.scheduler.schedule()
-        if kind == "idle":
-            return kind, []
+        step whose chunks complete no prompt returns ("prefill", []). With async scheduling the
+        decode step returned is the one read in this call (the next one is already running)."""
+        if not self.async_scheduling:
+            kind, seqs = self.scheduler.schedule()
+            if kind == "idle":
+                return kind, []
+            return self._run_sync(kind, seqs, time.perf_counter())
+        try:
+            return self._step_async()
+        except BaseException:
+            self._drop_in_flight()
+            raise
+
+    def _step_async(self) -> tuple[str, list[Sequence]]:
         t0 = time.perf_counter()
+        if self._in_flight is not None and self.scheduler.prefill_ready():
+            return self._finish_decode(self._take_in_flight(), t0)  # sync point: a prefill comes next
+        if self._in_flight is None:
+            kind, seqs = self.scheduler.schedule()
+            if kind != "decode":
+                return ("idle", []) if kind == "idle" else self._run_sync(kind, seqs, t0)
+            self._in_flight = self._dispatch_decode(seqs)
+            if self.scheduler.prefill_ready():  # its scheduling preempted a sequence that fits again
+                return self._finish_decode(self._take_in_flight(), t0)
+        # One decode step in flight: schedule and dispatch the next before reading it.
+        prev = self._in_flight
+        kind, seqs = self.scheduler.schedule()
+        if kind == "prefill":  # prefill_ready() said no: schedule() must agree
+            raise RuntimeError("the scheduler chose a prefill with a decode step in flight")
+        self._in_flight = self._dispatch_decode(seqs, prev) if kind == "decode" else None
+        return self._finish_decode(prev, t0)
+
+    def _take_in_flight(self) -> DecodeStep:
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _drop_in_flight(self) -> None:
+        """After a failed step: the steps dispatched and not read are abandoned; their sequences' tokens
+        are recomputed (the same ones: a decode step is a function of the host's tokens, seeds and
+        positions)."""
+        for step in (self._reading, self._in_flight):
+            for s in step.seqs if step is not None else ():
+                s.num_pending_tokens = 0
+        self._reading = self._in_flight = None
+
+    def _dispatch_decode(self, seqs: list[Sequence], prev: DecodeStep | None = None) -> DecodeStep:
+        step = self.runner.dispatch_decode(seqs, prev)
+        self.balancer.record()  # expert counts of this step, left on the device; may rebalance between steps
+        return step
+
+    def _finish_decode(self, step: DecodeStep, t0: float) -> tuple[str, list[Sequence]]:
+        """Reads a dispatched decode step and appends its tokens; a sequence finished (or aborted) since
+        the step was scheduled gets nothing: its token is discarded."""
+        self._reading = step  # until read: a failure abandons it (_drop_in_flight)
+        out = self.runner.read(step)
+        self._reading = None
+        self.stats.decode_steps += 1
+        self.stats.decode_time += time.perf_counter() - t0
+        stepped = []
+        for seq, t, lp, top in zip(step.seqs, out.tokens.tolist(), out.logprobs.tolist(), out.top_logprobs):
+            if seq.is_finished:
+                continue
+            if seq.block_table:  # not preempted since: its full blocks become prefix-cache hits
+                self.blocks.cache_computed(seq)
+            self._append(seq, t, lp, top)
+            stepped.append(seq)
+        self.stats.decode_tokens += len(stepped)
+        return "decode", stepped
+
+    def _run_sync(self, kind: str, seqs: list[Sequence], t0: float) -> tuple[str, list[Sequence]]:
+        """One step run and read at once (every step with async scheduling off; prefills with it on)."""
         new_tokens = sum(s.num_new_tokens for s in seqs)
         out = self.runner.prefill(seqs) if kind == "prefill" else self.runner.decode(seqs)
         dt = time.perf_counter() - t0

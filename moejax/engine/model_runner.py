@@ -80,6 +80,26 @@ def default_num_blocks(config: EngineConfig) -> int:
     return int(n)
 
 
+@dataclasses.dataclass
+class DecodeStep:
+    """A dispatched decode step: its outputs stay on the device until ``read``."""
+    seqs: list[Sequence]
+    # sample()'s outputs on the device: tokens [N, B] (row i of rank r: the i-th of that rank's
+    # sequences), their logprobs [N, B], the top logprobs and their token ids [N, B, K]
+    sampled: tuple
+    index: dict[int, tuple[int, int]]  # seq_id -> (rank, row)
+
+    @property
+    def toks(self) -> jax.Array:
+        return self.sampled[0]
+
+
+def _feed(prev, rows, host):
+    """Decode input tokens [N, B]: row i takes prev[r, rows[r, i]] (the token the step before sampled
+    for that sequence, never read by the host) where rows >= 0, else the host's token."""
+    return jnp.where(rows >= 0, jnp.take_along_axis(prev, jnp.maximum(rows, 0), axis=1), host)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, module, params, routing, mesh=None):
         """module: the Flax model (kernel-scoped); params/routing on device (sharded over ``mesh``)."""
@@ -107,6 +127,11 @@ class ModelRunner:
         self._prefill_paged = self._compile(self._prefill_paged_rank, "prefill_paged", with_cache=True)
         self._decode = self._compile(self._decode_rank, "decode", with_cache=True)
         self._score = self._compile(self._score_rank, "score", with_cache=False)
+        def feed(prev, rows, host):
+            self.trace_counts["feed"] += 1
+            return _feed(prev, rows, host)
+        # Same rank layout as the steps' outputs, so the decode step sees the sharding it always does.
+        self._feed = jax.jit(feed) if mesh is None else jax.jit(feed, out_shardings=NamedSharding(mesh, RANK))
 
     def _vars(self, params, routing):
         return {"params": params, "routing": routing}
@@ -201,14 +226,15 @@ class ModelRunner:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     @staticmethod
-    def _gather(ranks, sampled, seqs: list[Sequence]) -> StepOutput:
-        """The step's samples of ``seqs`` on the host; the top logprobs are copied only when one of
-        them asks for some (N x B x 20 values a step otherwise)."""
+    def _gather(where: dict[int, tuple[int, int]], sampled, seqs: list[Sequence]) -> StepOutput:
+        """The step's samples of ``seqs`` (at ``where[seq_id]`` = (rank, row)) on the host, in one
+        device-to-host copy; the top logprobs are copied only when one of them asks for some
+        (N x B x 20 values a step otherwise)."""
         toks, lps, top_lps, top_ids = sampled
-        toks, lps = np.asarray(toks), np.asarray(lps)
         if any(s.params.top_logprobs for s in seqs):
-            top_lps, top_ids = np.asarray(top_lps), np.asarray(top_ids)
-        where = {s.seq_id: (r, i) for r, rs in enumerate(ranks) for i, s in enumerate(rs)}
+            toks, lps, top_lps, top_ids = jax.device_get((toks, lps, top_lps, top_ids))
+        else:
+            toks, lps = jax.device_get((toks, lps))
         out = StepOutput(np.zeros(len(seqs), np.int64), np.zeros(len(seqs), np.float64), [None] * len(seqs))
         for j, s in enumerate(seqs):
             r, i = where[s.seq_id]
@@ -240,7 +266,8 @@ class ModelRunner:
             self.cache, sampled, counts, dispatched = self._prefill(self.params, self.routing, self.cache,
                                                                     *self._packed_arrays(ranks, B), samp)
         self._record(counts, dispatched)
-        out = self._gather(ranks, sampled, seqs)
+        where = {s.seq_id: (r, i) for r, rs in enumerate(ranks) for i, s in enumerate(rs)}
+        out = self._gather(where, sampled, seqs)
         for s in seqs:
             s.num_cached_tokens += s.num_new_tokens
             s.num_new_tokens = 0
@@ -291,32 +318,62 @@ class ModelRunner:
         return tokens, positions, lens, ctx, slots, tables
 
     def decode(self, seqs: list[Sequence]) -> StepOutput:
-        """One token for each sequence; its last token is the one being fed."""
+        """One token for each sequence; its last token is the one being fed (synchronous: read at once)."""
+        return self.read(self.dispatch_decode(seqs))
+
+    def dispatch_decode(self, seqs: list[Sequence], prev: DecodeStep | None = None) -> DecodeStep:
+        """Launches one decode step without waiting for it (JAX dispatch is asynchronous). A sequence
+        with a token pending from ``prev`` (the step still in flight) is fed that token on the device,
+        at the position after it; positions, slots and block tables are the host's, since each step
+        grows a sequence by exactly one token."""
         ranks, per_rank = self._by_rank(seqs)
         N, B = self.num_ranks, min(next_pow2(per_rank), next_pow2(self.max_num_seqs))
         nb = min(next_pow2(max(len(s.block_table) for s in seqs)), next_pow2(self.max_blocks_per_seq))
         tokens, positions, lens = (np.zeros((N, B), np.int32) for _ in range(3))
+        rows = np.full((N, B), -1, np.int32)  # where a pending token sits in prev's output
         slots = np.full((N, B), self.num_slots, np.int32)
         tables = np.zeros((N, B, nb), np.int32)
+        index = {}
         for r, rs in enumerate(ranks):
             for i, s in enumerate(rs):
-                pos = len(s) - 1
-                tokens[r, i], positions[r, i], lens[r, i] = s.token_ids[-1], pos, pos + 1
+                pos = len(s) - 1 + s.num_pending_tokens
+                if s.num_pending_tokens:
+                    if prev is None or s.seq_id not in prev.index or s.num_pending_tokens > 1:
+                        raise RuntimeError(f"sequence {s.seq_id}: its pending token is not in the step in flight")
+                    rows[r, i] = prev.index[s.seq_id][1]
+                else:
+                    tokens[r, i] = s.token_ids[-1]
+                positions[r, i], lens[r, i] = pos, pos + 1
                 slots[r, i] = self._slot(s, pos)
                 tables[r, i, :len(s.block_table)] = s.block_table
+                index[s.seq_id] = (r, i)
+        if (rows >= 0).any():
+            tokens = self._feed(prev.toks, rows, tokens)
+        elif self.mesh is not None:  # committed as the fed tokens are: one trace of the step, not one for each
+            tokens = jax.device_put(tokens, NamedSharding(self.mesh, RANK))
         self.cache, sampled, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens,
                                                                positions, slots, tables, lens,
                                                                self._sampling_arrays(ranks, B))
         self._record(counts, dispatched)
-        out = self._gather(ranks, sampled, seqs)
         for s in seqs:
-            s.num_cached_tokens = len(s)
+            s.num_pending_tokens += 1
+        return DecodeStep(list(seqs), sampled, index)
+
+    def read(self, step: DecodeStep) -> StepOutput:
+        """Waits for a dispatched decode step and returns its samples in ``step.seqs`` order (the
+        step's one device-to-host copy). The fed tokens' latents are now cached."""
+        out = self._gather(step.index, step.sampled, step.seqs)
+        for s in step.seqs:
+            s.num_pending_tokens -= 1
+            if s.block_table:  # not freed since it was dispatched (finished, aborted or preempted)
+                s.num_cached_tokens = len(s)  # up to the token this step fed
         return out
 
     def _record(self, counts, dispatched):
-        """Keeps the last step's expert statistics on the host (a few KB)."""
-        self.last_expert_counts = np.asarray(counts)  # [ranks, L_moe, E]: tokens of each source rank
-        self.last_dispatched = np.asarray(dispatched)  # [ranks, L_moe], measured in the dispatch
+        """Keeps the last step's expert statistics, on the device: the balancer reads them in batches,
+        so no step waits on a device-to-host copy for them."""
+        self.last_expert_counts = counts  # [ranks, L_moe, E]: tokens of each source rank
+        self.last_dispatched = dispatched  # [ranks, L_moe], measured in the dispatch
 
     def set_routing(self, params, routing):
         """Swaps in permuted expert weights and their placement tables (same shapes: no recompilation)."""

@@ -29,8 +29,9 @@ from moejax.engine.sequence import Sequence, Status
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_prefill_tokens: int,
-                 max_preemptions: int = 16):
+                 max_preemptions: int = 16, max_model_len: int | None = None):
         self.blocks = block_manager
+        self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.max_preemptions = max_preemptions
@@ -60,8 +61,12 @@ class Scheduler:
         self._decode_next = False
 
         decode: list[Sequence] = []
+        kept: list[Sequence] = []  # running, in their order: the decode batch and those held back
         while self.running:
             seq = self.running.pop(0)
+            if seq.num_pending_tokens and seq.ends_by_length(self.max_model_len):
+                kept.append(seq)  # its token in flight ends it: nothing more to compute (async scheduling)
+                continue
             while not self.blocks.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
@@ -71,8 +76,20 @@ class Scheduler:
             else:
                 self.blocks.append(seq)
                 decode.append(seq)
-        self.running = decode
+                kept.append(seq)
+        self.running = kept
         return ("decode", list(decode)) if decode else ("idle", [])  # a copy: finishing edits running
+
+    def prefill_ready(self) -> bool:
+        """Whether schedule() would now return a prefill (it changes nothing). With async scheduling the
+        engine reads the decode step in flight first: a prefill may admit a preempted sequence, whose
+        tokens must all be on the host."""
+        if self._decode_next and self.running:
+            return False
+        if self.prefilling:
+            return True
+        return (bool(self.waiting) and len(self.running) + len(self.prefilling) < self.max_num_seqs
+                and self.blocks.can_allocate(self.waiting[0]))
 
     def _schedule_prefill(self) -> list[Sequence]:
         budget = self.max_prefill_tokens
@@ -131,9 +148,9 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.prefilling:
             self.prefilling.remove(seq)
+        if seq in self.waiting:  # preempted while its last token was in flight, then that token ended it
+            self.waiting.remove(seq)
 
     def abort(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
         seq.finish_reason = seq.finish_reason or "abort"
         self.finish(seq)

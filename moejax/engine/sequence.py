@@ -29,6 +29,9 @@ class Sequence:
         self.dp_rank = 0  # the data-parallel rank (device) whose cache holds this sequence
         self.num_cached_tokens = 0  # tokens whose latents are in the cache (a prefix-cache hit included)
         self.num_new_tokens = 0  # tokens the scheduled prefill step computes (a chunk of the prompt)
+        # Tokens sampled by dispatched decode steps, still on the device (not yet in token_ids):
+        # 0, or 1 (2 for a moment, between dispatching step t+1 and reading step t) with async scheduling.
+        self.num_pending_tokens = 0
         self.block_hashes: list[bytes] = []  # prefix-cache keys of its full token blocks (hashed once, lazily)
         self.num_keyed_blocks = 0  # of its blocks, how many are registered in the prefix cache (or hits)
         self.logprobs: list[float] = []  # of each output token, when params.logprobs
@@ -49,6 +52,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def ends_by_length(self, max_model_len: int) -> bool:
+        """Its pending token will end it on length (max_new_tokens or max_model_len): known without its value."""
+        n = len(self.token_ids) + self.num_pending_tokens
+        return n - self.num_prompt_tokens >= self.params.max_new_tokens or n >= max_model_len
 
     @property
     def prefill_done(self) -> bool:

@@ -57,9 +57,20 @@ def _map_experts(params: dict, placements, fn) -> dict:
     return unflatten(flat)
 
 
+READ_EVERY = 16  # steps between the balancer's reads of the expert counters from the device
+
+
+def _ready(a) -> bool:
+    return not isinstance(a, jax.Array) or a.is_ready()
+
+
 class ExpertLoadBalancer:
-    """Reads the runner's expert counts after every step; with ``eplb_interval`` set in the parallel
-    layout, rebalances every that many steps (``rebalance`` may also be called directly)."""
+    """Takes the runner's expert counts (device arrays) after every step; with ``eplb_interval`` set in
+    the parallel layout, rebalances every that many steps (``rebalance`` may also be called directly).
+
+    The counts stay on the device until read: every READ_EVERY steps those whose step is done are
+    copied in one batch (no wait), and every query (window_load, rebalance, ...) first reads them all,
+    so what it computes is exactly the per-step window it was before, without a per-step sync."""
 
     def __init__(self, config, runner, placements: dict[tuple[str, ...], Placement]):
         pc = config.parallel
@@ -72,6 +83,7 @@ class ExpertLoadBalancer:
         self.counts: deque[np.ndarray] = deque(maxlen=window)  # [ranks, L_moe, E] per step
         self.dispatched: deque[np.ndarray] = deque(maxlen=window)  # [ranks, L_moe] per step
         self._dispatched_sum = None
+        self._unread: deque[tuple] = deque()  # (counts, dispatched) device arrays of steps not read yet
         self.steps = 0
         self.num_rebalances = 0
         mesh = runner.mesh
@@ -83,27 +95,47 @@ class ExpertLoadBalancer:
         return next(iter(self.placements.values())).num_ranks if self.placements else 1
 
     def record(self) -> None:
-        """Called after every step: appends the step's counts; rebalances every ``interval`` steps."""
+        """Called after every step is dispatched: keeps its counts; rebalances every ``interval`` steps."""
         if not self.names or self.runner.last_expert_counts is None:
             return
         c, d = self.runner.last_expert_counts, self.runner.last_dispatched
-        if len(self.dispatched) == self.dispatched.maxlen:
-            self._dispatched_sum -= self.dispatched[0]
-        self.counts.append(c)
-        self.dispatched.append(d)
-        self._dispatched_sum = d.astype(np.int64) + (self._dispatched_sum if self._dispatched_sum is not None else 0)
+        for a in (c, d):
+            if isinstance(a, jax.Array):
+                a.copy_to_host_async()  # starts the copy once the step is done; reading it later costs no wait
+        self._unread.append((c, d))
         self.steps += 1
         if self.interval and self.steps % self.interval == 0:
             self.rebalance()
+        elif len(self._unread) >= READ_EVERY:
+            self.read_counts(wait=False)
+
+    def read_counts(self, wait: bool = True) -> None:
+        """Moves the unread steps' counts into the window, in step order, in one device-to-host copy:
+        all of them (``wait``), or only those whose step is already done."""
+        n = len(self._unread) if wait else next((i for i, (c, d) in enumerate(self._unread)
+                                                 if not (_ready(c) and _ready(d))), len(self._unread))
+        if not n:
+            return
+        got = jax.device_get([self._unread.popleft() for _ in range(n)])
+        for c, d in got:
+            c, d = np.asarray(c), np.asarray(d)
+            if len(self.dispatched) == self.dispatched.maxlen:
+                self._dispatched_sum -= self.dispatched[0]
+            self.counts.append(c)
+            self.dispatched.append(d)
+            self._dispatched_sum = d.astype(np.int64) + (self._dispatched_sum if self._dispatched_sum is not None
+                                                         else 0)
 
     def window_load(self) -> np.ndarray:
         """Tokens routed to each logical expert over the window: [L_moe, E]."""
+        self.read_counts()
         E = self.runner.cfg.n_routed_experts
         return np.sum(self.counts, axis=(0, 1)) if self.counts else np.zeros((len(self.names), E))
 
     def predicted_rank_loads(self) -> np.ndarray:
         """[L_moe, ranks]: what the current placements predict each rank computes, from the window's
         per-source-rank counts (a replicated expert serves source rank r from replica r % n)."""
+        self.read_counts()
         by_src = np.sum(self.counts, axis=0)  # [ranks, L_moe, E]
         out = np.zeros((len(self.names), self.num_ranks))
         for i, n in enumerate(self.names):
@@ -119,18 +151,24 @@ class ExpertLoadBalancer:
         load = self.window_load() if load is None else load
         return np.stack([rank_loads(load[i], self.placements[n]) for i, n in enumerate(self.names)])
 
-    def measured_rank_loads(self) -> np.ndarray:
+    def measured_rank_loads(self, wait: bool = True) -> np.ndarray:
         """[L_moe, ranks]: (token, expert) pairs each rank's dispatch actually computed, over the window."""
-        # a running sum: this is read after every step for /metrics
+        # a running sum: /metrics reads it after every step (after read_counts(wait=False): no sync)
+        if wait:
+            self.read_counts()
         return self._dispatched_sum.T if self.dispatched else np.zeros((len(self.names), self.num_ranks))
 
-    def balancedness(self) -> tuple[list[float], float]:
-        """Per MoE layer and overall (mean over layers) mean/max tokens per rank, from measured counts."""
-        per_layer = [balancedness(r) for r in self.measured_rank_loads()]
+    def balancedness(self, wait: bool = True) -> tuple[list[float], float]:
+        """Per MoE layer and overall (mean over layers) mean/max tokens per rank, from measured counts
+        (``wait=False``: of the steps read so far, without waiting for the device)."""
+        if not wait:
+            self.read_counts(wait=False)
+        per_layer = [balancedness(r) for r in self.measured_rank_loads(wait)]
         return per_layer, float(np.mean(per_layer)) if per_layer else 1.0
 
     def rebalance(self, load=None) -> dict[str, Placement]:
         """Balanced placements from the window's load (or ``load`` [L_moe, E]); moves weights on device."""
+        self.read_counts()  # the window the new placements are for ends here (apply clears it)
         load = self.window_load() if load is None else np.asarray(load)
         new = {n: balanced_placement(load[i], self.num_ranks, self.num_redundant) for i, n in enumerate(self.names)}
         self.apply(new)

@@ -164,8 +164,10 @@ class Metrics:
             self.engine_stats = dataclasses.replace(engine.stats)
             self.steps_mixed = mixed_steps
             bal = getattr(engine, "balancer", None)
+            if bal is not None:
+                bal.read_counts(wait=False)  # the steps already done: no per-step device sync
             if bal is not None and bal.dispatched:
-                self.eplb_layers, self.eplb_overall = bal.balancedness()
+                self.eplb_layers, self.eplb_overall = bal.balancedness(wait=False)
                 self.eplb_rebalances = bal.num_rebalances
 
     # ----- exposition ------------------------------------------------------------
