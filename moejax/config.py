@@ -45,7 +45,9 @@ class SchedulerConfig:
     # A sequence preempted more often than this is finished with an error instead of being recomputed
     # again (a cache too small for the load could otherwise keep a request from ever finishing).
     max_preemptions: int = 16
-    async_scheduling: bool = True  # build decode step t+1 while step t runs; read t's tokens one step late
+    # Build decode step t+1 while step t runs, reading t's tokens one step late. Off by default: on the
+    # H200 it measured slower than the synchronous loop (benchmarks/2026-12-04/host_overhead.txt).
+    async_scheduling: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +68,7 @@ class EngineConfig:
                kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
                fp8_variant: str = "w8a16", enable_prefix_caching: bool = True,
                gpu_memory_utilization: float = 0.9, max_preemptions: int = 16,
-               fuse_shared_experts: str = "auto", async_scheduling: bool = True) -> "EngineConfig":
+               fuse_shared_experts: str = "auto", async_scheduling: bool = False) -> "EngineConfig":
         """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
 
         ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8), "fp8" also

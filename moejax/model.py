@@ -112,7 +112,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
          max_prefill_tokens: int = 8192, progress: bool = True, kv_cache_dtype: str = "auto",
          kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "w8a16",
          enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
-         max_preemptions: int = 16, fuse_shared_experts: str = "auto", async_scheduling: bool = True) -> Model:
+         max_preemptions: int = 16, fuse_shared_experts: str = "auto", async_scheduling: bool = False) -> Model:
     """Loads an HF checkpoint directory of a registered family (DeepSeek-V2/V3, Step3), or one
     written by ``moejax.save``.
 
@@ -133,7 +133,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     ``fuse_shared_experts``: "auto" (shared experts inside the routed-expert kernel where the Pallas
     fused MoE runs), "on" or "off" (moejax/kernel_selection.py ``shared_expert_fusion``).
     ``async_scheduling`` builds each decode step while the one before it runs (its tokens read one
-    step late; the same tokens as with it off: moejax/engine/llm_engine.py).
+    step late; the same tokens as with it off: moejax/engine/llm_engine.py); off by default (measured
+    slower on the H200 so far, docs/architecture.md).
     Every argument is checked by ``EngineConfig.create`` (moejax/config.py).
     """
     if not isinstance(path, str) or not os.path.isdir(path):

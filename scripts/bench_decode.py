@@ -218,7 +218,7 @@ def weight_kw(wd: str) -> dict:
     return dict(weight_dtype=fmt, **({"fp8_layers": kinds.replace("+", ",")} if kinds else {}))
 
 
-def run_one(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=True, device_steps=0):
+def run_one(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=False, device_steps=0):
     """Engine decode step times [s] at the point; with ``device_steps``, also the compiled step's own
     time (device_step_time). Returns (times, memory, device step time or None)."""
     if weight_dtype not in _PARAMS:

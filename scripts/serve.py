@@ -55,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens of one prefill step; longer prompts are prefilled in chunks")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV blocks of a prompt's longest cached prefix (vLLM's automatic prefix caching)")
-    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                     help="build decode step t+1 while step t runs, reading t's tokens one step late (vLLM's async "
-                         "scheduling); --no-async-scheduling reads every step's tokens before the next")
+                         "scheduling; off by default: slower than the synchronous loop in its first H200 run)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds SIGTERM/SIGINT lets requests in flight finish before aborting them (exit 0)")
     ap.add_argument("--api-key", default=os.environ.get("MOEJAX_API_KEY"),

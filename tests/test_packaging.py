@@ -255,7 +255,8 @@ def test_serve_forwards_load_options():
     assert kw["gpu_memory_utilization"] == 0.55
     kw = serve.build_load_kwargs(ap.parse_args([]))
     assert (kw["parallel"], kw["kv_cache_dtype"], kw["kernels"]) == (None, "auto", "auto")
-    assert serve.build_load_kwargs(ap.parse_args(["--no-async-scheduling"]))["async_scheduling"] is False
+    assert serve.build_load_kwargs(ap.parse_args(["--async-scheduling"]))["async_scheduling"] is True
+    assert serve.build_load_kwargs(ap.parse_args([]))["async_scheduling"] is False
     # everything forwarded is a moejax.load parameter, with the same default
     params = inspect.signature(moejax.load).parameters
     for k, v in kw.items():
