@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Its prefill_step3.{txt,json} are kept as prefill_step3_run1.*: run_prefill_packed.sh wrote the same names.)
 # (1) Issue 16: FP8 (W8A16, [E, out, in] experts) vs bf16 whole decode steps, DeepSeek-V2-Lite (27 layers),
 #     c64 / c256 / c1024, input 2000, both formats in one process.
 # (2) Issue 17: prefill of step3-ep8-rank (16 layers): flash (auto) vs the full-score path.

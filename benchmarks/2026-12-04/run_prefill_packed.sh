@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Its prefill_{v2lite,step3}.{txt,json} are kept as prefill_*_run3.*.)
 # Issue 17: (1) packed (varlen) prefill vs the padded layout on mixed prompt lengths (flash kernel on the
 # packed stream, its first GPU run), (2) the table's remaining points (V2-Lite 1x8k / 32x2k / 1x32k,
 # Step3 32x2k / 1x32k), flash path.
