@@ -3,11 +3,14 @@ from HF's two tensors bit for bit (bf16/f32 and FP8), it computes what the two G
 layouts that keep them apart stay apart, and a missing half is named. Parity of the whole merged
 model with transformers: tests/test_hf_parity.py."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import moejax
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.mla import MLA
 from moejax.models.registry import abstract_params, load_model_config, parse_model_config
@@ -95,3 +98,12 @@ def test_a_missing_half_is_named(tmp_path):
     save_safetensors(tensors, path)
     with pytest.raises(ValueError, match=KV_A.format(1).replace(".", r"\.")):
         load_hf_params(str(tmp_path), parse_model_config(preset("v3-tiny")), "float32", progress=False)
+
+
+def test_a_save_from_before_the_merge_is_refused(tmp_path):
+    """A moejax.save directory of format_version 1 (separate q_a / kv_a leaves) is refused by name, not
+    handed to orbax."""
+    make_random_checkpoint(str(tmp_path), preset("v3-tiny"), seed=2)
+    (tmp_path / "moejax.json").write_text(json.dumps({"format_version": 1, "dtype": "float32", "fp8_layers": []}))
+    with pytest.raises(ValueError, match="format_version"):
+        moejax.load(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2, progress=False)
