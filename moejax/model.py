@@ -27,6 +27,8 @@ from moejax.weights.loader import load_hf_params
 from moejax.weights.orbax_io import restore_params, save_params
 
 MARKER = "moejax.json"  # present in directories written by moejax.save
+# The saved pytree's layout. 2: DeepSeek MLA's q_a_proj and kv_a_proj_with_mqa saved as one qkv_a_proj.
+FORMAT_VERSION = 2
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -155,6 +157,9 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     marker = os.path.join(path, MARKER)
     if os.path.exists(marker):
         saved = load_json_file(marker, "moejax save marker")
+        if saved.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{marker} has format_version {saved.get('format_version')!r}, this moejax reads "
+                             f"{FORMAT_VERSION}: save it again from its HF checkpoint")
         saved_fp8 = Fp8Policy.create(saved.get("fp8_layers", []), (128, 128), config.fp8.variant)
         if saved_fp8.kinds != config.fp8.kinds:
             raise ValueError(f"{path} was saved with FP8 layers {sorted(saved_fp8.kinds)}; load it with the same "
@@ -194,4 +199,4 @@ def save(model: Model, directory: str) -> None:
         if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(directory, fn)):
             shutil.copy(src, os.path.join(directory, fn))
     with open(os.path.join(directory, MARKER), "w") as f:
-        json.dump({"format_version": 1, "dtype": model.dtype, "fp8_layers": sorted(model.config.fp8.kinds)}, f)
+        json.dump({"format_version": FORMAT_VERSION, "dtype": model.dtype, "fp8_layers": sorted(model.config.fp8.kinds)}, f)

@@ -101,11 +101,20 @@ def test_no_model_type_outside_the_family_modules():
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_family_name_table_round_trips_every_parameter(family):
     """Each parameter's HF name maps back to the same leaf (and expert), so the generic loader
-    and writer agree with the family's model."""
+    and writer agree with the family's model; a fused leaf's HF tensors map to their own paths,
+    fill its rows exactly, and its own name is no HF name."""
     tiny = next(p for p in family.presets.values() if p["vocab_size"] < 1000)
     cfg = parse_model_config(tiny)
     assert family_of(cfg) is family
     for path, leaf in flatten(abstract_params(cfg, "float32")).items():
+        parts = family.fused_parts(cfg, path)
+        if parts:
+            assert family.hf_to_param(family.param_to_hf(path, None)) is None, path
+            assert sum(rows for _, rows in parts) == leaf.shape[0], (path, parts)
+            for part, _ in parts:
+                ref = family.hf_to_param(family.param_to_hf(part, None))
+                assert ref is not None and ref.path == part and ref.expert is None and not ref.stacked, (part, ref)
+            continue
         experts = [None] if not is_stacked_expert(path) or family.experts_stacked_on_disk else [0, leaf.shape[0] - 1]
         for e in experts:
             name = family.param_to_hf(path, e)

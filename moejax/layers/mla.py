@@ -5,6 +5,11 @@ itself, or of the cached context for a chunk, one causal flash attention with no
 tensor: layers/prefill_attention.py). Decode uses the absorbed form against the
 paged latent cache: per token per layer only kv_lora_rank + qk_rope_head_dim
 values are stored and read.
+
+q_a_proj and kv_a_proj_with_mqa read the same normed input, so where both exist they are one
+GEMM, ``qkv_a_proj`` [q_lora_rank + kv_lora_rank + qk_rope_head_dim, H], its output split. The
+checkpoint keeps HF's two tensors: the loader concatenates them along ``out`` (the family's
+``fused_parts``, moejax/models/deepseek.py) and the HF writer splits them again.
 """
 
 from typing import Any
@@ -21,22 +26,35 @@ from moejax.layers.prefill_attention import (check_prefill_mode, packed_prefill_
 from moejax.layers.rope import apply_rope, rope_frequencies
 
 
+def merges_q_kv_a(cfg, fp8: Fp8Scheme | None) -> bool:
+    """Whether q_a_proj and kv_a_proj_with_mqa are one ``qkv_a_proj``: only with a q_lora_rank, and under
+    FP8 only where q_lora_rank is a multiple of the block rows (the two block-scale grids then stack
+    along ``out``; DeepSeek-V3's 1536 is 12 x 128)."""
+    return cfg.q_lora_rank is not None and (fp8 is None or cfg.q_lora_rank % fp8.block[0] == 0)
+
+
 class MLA(nn.Module):
     cfg: Any  # DeepseekConfig (moejax/models/deepseek.py)
     layer: int
     dtype: Any = jnp.float32
     fp8: Fp8Scheme | None = None  # the attention projections' FP8 scheme
+    merge_q_kv_a: bool = True  # False keeps the two projections apart (the reference in tests)
 
     def setup(self):
         c, dt, q = self.cfg, self.dtype, self.fp8
         H, nh = c.hidden_size, c.num_attention_heads
+        self.merged = self.merge_q_kv_a and merges_q_kv_a(c, q)
+        if self.merged:
+            self.qkv_a_proj = Linear(H, c.q_lora_rank + c.kv_cache_dim, dt, q)
+        elif c.q_lora_rank is not None:
+            self.q_a_proj = Linear(H, c.q_lora_rank, dt, q)
         if c.q_lora_rank is None:
             self.q_proj = Linear(H, nh * c.qk_head_dim, dt, q)
         else:
-            self.q_a_proj = Linear(H, c.q_lora_rank, dt, q)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dt)
             self.q_b_proj = Linear(c.q_lora_rank, nh * c.qk_head_dim, dt, q)
-        self.kv_a_proj_with_mqa = Linear(H, c.kv_lora_rank + c.qk_rope_head_dim, dt, q)
+        if not self.merged:
+            self.kv_a_proj_with_mqa = Linear(H, c.kv_cache_dim, dt, q)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, dt)
         self.kv_b_proj = Linear(c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim), dt)
         self.o_proj = Linear(nh * c.v_head_dim, H, dt, q)
@@ -45,17 +63,25 @@ class MLA(nn.Module):
         inv_freq, attn_factor = rope_frequencies(self.cfg.rope, self.cfg.qk_rope_head_dim)
         return apply_rope(x, positions, inv_freq, attn_factor, self.cfg.rope.interleave)
 
-    def _query(self, x, positions):
+    def _project_a(self, x):
+        """(q_a [..., q_lora_rank] or None without q_lora, kv_a [..., kv_lora_rank + rope])."""
         c = self.cfg
-        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if self.merged:
+            y = self.qkv_a_proj(x)
+            return y[..., :c.q_lora_rank], y[..., c.q_lora_rank:]
+        q_a = None if c.q_lora_rank is None else self.q_a_proj(x)
+        return q_a, self.kv_a_proj_with_mqa(x)
+
+    def _query(self, x, q_a, positions):
+        c = self.cfg
+        q = self.q_proj(x) if q_a is None else self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.reshape(*x.shape[:-1], c.num_attention_heads, c.qk_head_dim)
         q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
         return q_nope, self._rope(q_rope, positions)
 
-    def _latent(self, x, positions):
-        """The cache entry of each token: [normalised latent | rotated rope key]."""
+    def _latent(self, kv, positions):
+        """The cache entry of each token from its kv_a output: [normalised latent | rotated rope key]."""
         c = self.cfg
-        kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[..., :c.kv_lora_rank])
         k_rope = self._rope(kv[..., c.kv_lora_rank:], positions)
         return jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
@@ -77,8 +103,9 @@ class MLA(nn.Module):
         c = self.cfg
         nh, dn, dv, C = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
         check_prefill_mode(x, cu_seqlens, block_tables)
-        q_nope, q_rope = self._query(x, positions)  # [..., nh, dn], [..., nh, R]
-        lat = self._latent(x, positions)
+        q_a, kv_a = self._project_a(x)
+        q_nope, q_rope = self._query(x, q_a, positions)  # [..., nh, dn], [..., nh, R]
+        lat = self._latent(kv_a, positions)
         if cache is not None:
             cache = write_cache(cache, self.layer, slots.reshape(-1), lat.reshape(-1, lat.shape[-1]))
         kw = dict(scale=c.softmax_scale, v_offset=dn, v_dim=dv, out_dtype=x.dtype)
@@ -106,8 +133,9 @@ class MLA(nn.Module):
         """x [B, H] one new token per sequence, already counted in seq_lens."""
         c = self.cfg
         nh, dn, C = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
-        q_nope, q_rope = self._query(x, positions)  # [B, nh, dn], [B, nh, R]
-        cache = write_cache(cache, self.layer, slots, self._latent(x, positions))
+        q_a, kv_a = self._project_a(x)
+        q_nope, q_rope = self._query(x, q_a, positions)  # [B, nh, dn], [B, nh, R]
+        cache = write_cache(cache, self.layer, slots, self._latent(kv_a, positions))
         w_kv_b = self.kv_b_proj.weight.reshape(nh, dn + c.v_head_dim, C)
         w_uk, w_uv = w_kv_b[:, :dn], w_kv_b[:, dn:]
         q_latent = einsum_f32("bhn,hnc->bhc", q_nope, w_uk)

@@ -8,7 +8,9 @@ HF names keep HF's layout ([out, in]) and map one to one onto the parameter tree
 (``model.layers.3.self_attn.q_a_proj.weight`` -> ``layers_3/self_attn/q_a_proj/weight``),
 except the routed experts: one HF tensor per expert
 ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`` [out, in], stacked as
-``layers_N/mlp/experts/<proj>`` [E, in, out]. Multi-token-prediction layers (after the
+``layers_N/mlp/experts/<proj>`` [E, in, out]. Where MLA merges q_a_proj and
+kv_a_proj_with_mqa (moejax/layers/mla.py), their two HF tensors are the rows of one leaf
+``layers_N/self_attn/qkv_a_proj`` (``fused_parts``). Multi-token-prediction layers (after the
 last decoder layer) are read past: decoding does not use them.
 """
 
@@ -230,8 +232,12 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 
 
+_QKV_A = "qkv_a_proj"  # MLA's merged [q_a_proj | kv_a_proj_with_mqa]: not an HF module
+
+
 def hf_to_param(name: str) -> ParamRef | None:
-    """Where an HF tensor goes, or None if the name is not a model weight we know."""
+    """Where an HF tensor goes, or None if the name is not a model weight we know. q_a_proj and
+    kv_a_proj_with_mqa point at their own paths; ``fused_parts`` says when the model merges them."""
     if name in TOP_LEVEL:
         return ParamRef(TOP_LEVEL[name])
     m = _EXPERT.match(name)
@@ -239,7 +245,7 @@ def hf_to_param(name: str) -> ParamRef | None:
         layer, e, proj = int(m.group(1)), int(m.group(2)), m.group(3)
         return ParamRef((f"layers_{layer}", "mlp", "experts", proj), e, layer)
     m = _LAYER.match(name)
-    if m:
+    if m and _QKV_A not in m.group(2).split("."):
         return ParamRef((f"layers_{m.group(1)}", *m.group(2).split(".")), None, int(m.group(1)))
     return None
 
@@ -250,6 +256,16 @@ def param_to_hf(path: tuple[str, ...], expert: int | None = None) -> str:
         e = expert if expert is not None else "*"
         return f"model.layers.{path[0].removeprefix('layers_')}.mlp.experts.{e}.{path[3]}.weight"
     return default_hf_name(path)
+
+
+def fused_parts(cfg: DeepseekConfig, path: tuple[str, ...]):
+    """``layers_N/self_attn/qkv_a_proj/weight`` is HF's q_a_proj.weight [q_lora_rank, H] stacked on
+    kv_a_proj_with_mqa.weight [kv_lora_rank + qk_rope_head_dim, H]; every other leaf is one tensor."""
+    if path[1:] != ("self_attn", _QKV_A, "weight"):
+        return None
+    attn = path[:2]
+    return ((attn + ("q_a_proj", "weight"), cfg.q_lora_rank),
+            (attn + ("kv_a_proj_with_mqa", "weight"), cfg.kv_cache_dim))
 
 
 def is_mtp_tensor(name: str, cfg: DeepseekConfig) -> bool:
@@ -325,6 +341,7 @@ FAMILY = ModelFamily(
     name="deepseek", model_types=MODEL_TYPES, parse_config=parse_config, causal_lm=DeepseekForCausalLM,
     hf_to_param=hf_to_param, param_to_hf=param_to_hf, experts_stacked_on_disk=False,
     is_fp8_quantized=is_fp8_quantized, presets=PRESETS, with_layers=with_layers, ignores=is_mtp_tensor,
+    fused_parts=fused_parts,
     fp8_kv_cache=True,
     transformers_classes={"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
                           "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM")},

@@ -31,6 +31,11 @@ class ModelFamily:
     is_fp8_quantized: Callable[[str], bool]
     presets: dict[str, dict]  # name -> config.json of a (tiny or real-shaped) random model
     with_layers: Callable[[dict, int], dict]  # the same config with n layers, the first dense
+    # Leaves made of several HF tensors stacked along ``out`` (one GEMM for projections of the same input):
+    # (cfg, leaf path) -> ((HF tensor's own path, its rows), ...) in order, or None for a leaf of one tensor.
+    # The loader concatenates the parts (FP8: their block scales too); the checkpoint writer splits them.
+    fused_parts: Callable[[Any, tuple[str, ...]], tuple[tuple[tuple[str, ...], int], ...] | None] = \
+        lambda cfg, path: None
     # Tensors the checkpoint holds but the model does not build (MTP layers, a vision tower).
     ignores: Callable[[str, Any], bool] = lambda name, cfg: False
     # A random checkpoint's final tensors (cfg, HF tensors, seed, dtype) -> tensors: e.g. a VL wrapper's

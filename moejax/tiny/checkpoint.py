@@ -43,11 +43,19 @@ def random_params(cfg, seed: int = 0, std: float = 0.02) -> dict:
     return unflatten(out)
 
 
-def hf_tensors_from_params(params, family: ModelFamily) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields (HF name, array in HF layout) for every parameter, through the family's name table."""
+def hf_tensors_from_params(params, family: ModelFamily, cfg) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (HF name, array in HF layout) for every parameter, through the family's name table;
+    a fused leaf (``family.fused_parts``) is split back into its HF tensors."""
     for path, arr in flatten(params).items():
         arr = np.asarray(arr)
-        if not is_stacked_expert(path):
+        parts = family.fused_parts(cfg, path)
+        if parts:
+            if arr.shape[0] != sum(rows for _, rows in parts):
+                raise ValueError(f"parameter {'/'.join(path)} has {arr.shape[0]} rows, its parts "
+                                 f"{[family.param_to_hf(p, None) for p, _ in parts]} {sum(r for _, r in parts)}")
+            for (part, _), a in zip(parts, np.split(arr, np.cumsum([r for _, r in parts])[:-1])):
+                yield family.param_to_hf(part, None), np.ascontiguousarray(a)
+        elif not is_stacked_expert(path):
             yield family.param_to_hf(path, None), arr
         elif family.experts_stacked_on_disk:  # [E, in, out] -> one [E, out, in] tensor
             yield family.param_to_hf(path, None), np.ascontiguousarray(arr.transpose(0, 2, 1))
@@ -110,7 +118,7 @@ def make_random_checkpoint(directory: str, hf_config: dict, seed: int = 0, dtype
     cfg = parse_model_config(hf_config)
     family = family_of(cfg)
     np_dtype = _NP_DTYPES[dtype]
-    tensors = {k: v.astype(np_dtype) for k, v in hf_tensors_from_params(random_params(cfg, seed, std), family)}
+    tensors = {k: v.astype(np_dtype) for k, v in hf_tensors_from_params(random_params(cfg, seed, std), family, cfg)}
     if fp8:
         tensors = quantize_tensors(tensors, family.is_fp8_quantized)
         hf_config["quantization_config"] = fp8_quantization_config()

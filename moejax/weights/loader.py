@@ -12,6 +12,11 @@ stays FP8 and its ``weight_scale_inv`` goes beside it (``<leaf>_scale_inv``; sta
 to the same 128x128 block format. Where the model declares the model dtype, FP8 tensors
 are dequantised. One matrix at a time: never a whole stacked tensor in float32.
 
+Fused leaves (the family's ``fused_parts``: DeepSeek MLA's ``qkv_a_proj``) are the rows of
+several HF tensors, each converted as above and concatenated along ``out`` once all have
+arrived; FP8 scales stack the same way (the model fuses only where the split falls on a block
+boundary, moejax/layers/mla.py).
+
 Streaming: each finished leaf is handed to ``place`` (e.g. a device_put with its sharding)
 at once, so host memory holds the memory map plus the leaves still being assembled (a
 routed-expert stack until all its experts have arrived), not the whole model.
@@ -75,6 +80,11 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
     pending: dict[tuple[str, ...], np.ndarray] = {}  # stacked leaves still missing experts
     source: dict[tuple, str] = {}  # (path, expert) -> the HF name that filled it
     experts_seen: dict[tuple[str, ...], set] = {}
+    fused_of: dict[tuple[str, ...], tuple[tuple[str, ...], int]] = {}  # an HF tensor's path -> (fused leaf, part)
+    for path in expected:
+        for i, (part, _) in enumerate(family.fused_parts(cfg, path) or ()):
+            fused_of[part] = (path, i)
+    parts_seen: dict[tuple[str, ...], dict[int, tuple]] = {}  # fused leaf -> part -> (weight, scales)
 
     def scale_path(path):
         return path[:-1] + (path[-1] + SCALE_SUFFIX,)
@@ -87,15 +97,17 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
             tensors.skip(name)
             continue
         ref = family.hf_to_param(name)
-        if ref is None or ref.path not in expected or ref.path[-1].endswith(SCALE_SUFFIX):
+        if ref is None or (ref.path not in expected and ref.path not in fused_of) \
+                or ref.path[-1].endswith(SCALE_SUFFIX):
             raise ValueError(f"checkpoint tensor {name!r} is not a parameter of this {cfg.model_type} model")
         if (ref.path, ref.expert) in source:
             raise ValueError(f"checkpoint tensors {source[ref.path, ref.expert]!r} and {name!r} are the same parameter")
         source[ref.path, ref.expert] = name
         arr, scale = tensors.get(name)
-        want = expected[ref.path]
+        leaf, part = fused_of.get(ref.path, (ref.path, None))
+        want = expected[leaf]
         keep_fp8 = np.dtype(want.dtype) == FP8
-        sp = scale_path(ref.path)
+        sp = scale_path(leaf)
         want_block = fp8.block
         dt = FP8 if keep_fp8 else np_dtype(want)
 
@@ -141,16 +153,27 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
             finish(ref.path, buf)
             if keep_fp8:
                 finish(sp, sbuf)
-        else:
+        else:  # one [out, in] matrix: the whole leaf, or one part of a fused leaf's rows
+            parts = family.fused_parts(cfg, leaf) if part is not None else None
+            shape = (parts[part][1], want.shape[1]) if parts else want.shape
             if keep_fp8:
-                _check_shape(name, arr, want.shape)
+                _check_shape(name, arr, shape)
                 w, s = _fp8_matrix(name, arr, scale, block, want_block)
-                finish(ref.path, w)
-                finish(sp, s)
             else:
                 arr = _matrix(name, arr, scale, block) if scale is not None else arr
-                _check_shape(name, arr, want.shape)
-                finish(ref.path, np.asarray(arr).astype(dt))
+                _check_shape(name, arr, shape)
+                w, s = np.asarray(arr).astype(dt), None
+            if parts:
+                got = parts_seen.setdefault(leaf, {})
+                got[part] = (w, s)
+                if len(got) < len(parts):
+                    continue
+                w = np.concatenate([got[i][0] for i in range(len(parts))])
+                s = np.concatenate([got[i][1] for i in range(len(parts))]) if keep_fp8 else None
+                del parts_seen[leaf]
+            finish(leaf, w)
+            if keep_fp8:
+                finish(sp, s)
     tensors.finish()
     for path, want in expected.items():
         if path[-1].endswith(SCALE_SUFFIX) and path[:-1] + (path[-1][:-len(SCALE_SUFFIX)],) in expected:
@@ -159,6 +182,10 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
         if per_expert and path in pending:  # some of its experts arrived, not all
             e = min(set(range(want.shape[0])) - experts_seen[path])
             raise ValueError(f"checkpoint is missing tensor {family.param_to_hf(path, e)!r}")
+        parts = family.fused_parts(cfg, path)
+        if parts and path not in out:  # name the first part that did not arrive
+            i = min(set(range(len(parts))) - set(parts_seen.get(path, {})))
+            raise ValueError(f"checkpoint is missing tensor {family.param_to_hf(parts[i][0], None)!r}")
         if path not in out:
             raise ValueError(f"checkpoint is missing tensor {family.param_to_hf(path, 0 if per_expert else None)!r}")
     return unflatten(out)
