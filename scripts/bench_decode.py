@@ -264,10 +264,8 @@ def run_one(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=Fals
     return times, memory, device
 
 
-def device_step_time(eng, n: int) -> float:
-    """The engine's compiled decode step alone: one more engine step's arguments captured and put on
-    the device, then n calls back to back (the donated cache chained through) timed to the last one's
-    completion. The engine's step time minus this is the host's share (what the loop does not hide)."""
+def capture_decode_args(eng):
+    """Runs one more engine step and returns (the compiled decode step, the arguments it was called with)."""
     r = eng.runner
     real, got = r._decode, {}
 
@@ -280,7 +278,16 @@ def device_step_time(eng, n: int) -> float:
         eng.step()
     finally:
         r._decode = real
-    params, routing, _, *rest = got["args"]
+    return real, got["args"]
+
+
+def device_step_time(eng, n: int) -> float:
+    """The engine's compiled decode step alone: one more engine step's arguments captured and put on
+    the device, then n calls back to back (the donated cache chained through) timed to the last one's
+    completion. The engine's step time minus this is the host's share (what the loop does not hide)."""
+    r = eng.runner
+    real, args = capture_decode_args(eng)
+    params, routing, _, *rest = args
     rest = jax.device_put(rest)  # host arrays to the device once: the timed calls copy nothing
     cache = real(params, routing, r.cache, *rest)[0]  # warm (already compiled: same shapes)
     jax.block_until_ready(cache)
@@ -317,18 +324,8 @@ def decode_memory(eng) -> dict:
     Temporary bytes of the order of the cache's size mean the step copies the cache (it is
     donated and written in place otherwise). Costs one more compilation."""
     r = eng.runner
-    real, got = r._decode, {}
-
-    def capture(*args):
-        got["args"] = args
-        return real(*args)
-
-    r._decode = capture
-    try:
-        eng.step()
-    finally:
-        r._decode = real
-    ma = real.lower(*got["args"]).compile().memory_analysis()
+    real, args = capture_decode_args(eng)
+    ma = real.lower(*args).compile().memory_analysis()
     out = {"cache_bytes": int(r.cache.nbytes), "temp_bytes": int(ma.temp_size_in_bytes),
            "argument_bytes": int(ma.argument_size_in_bytes), "output_bytes": int(ma.output_size_in_bytes),
            "alias_bytes": int(ma.alias_size_in_bytes)}
