@@ -188,7 +188,10 @@ def test_fused_moe_fp8_matches_reference(case, variant):
         W8A8_ERRORS[f"moe case {case}"] = unq
         print(f"\nW8A8 fused MoE case {case}: {err:.2e} vs same-quantisation reference, {unq:.2e} vs unquantised "
               f"activations ({where(seed)})")
-        assert 2e-3 < unq < 0.08, f"W8A8 vs unquantised activations {unq:.3f}, {where(seed)}"
+        # The quantisation error itself (e4m3 keeps 3 mantissa bits: ~3% a value, through two GEMMs and
+        # a requantised h) varies with the draw: 0.090 for MOEJAX_TEST_SEED=698069527, so the bound is 0.15;
+        # the kernel's own check is the same-quantisation reference above.
+        assert 2e-3 < unq < 0.15, f"W8A8 vs unquantised activations {unq:.3f}, {where(seed)}"
 
 
 @pytest.mark.parametrize("variant,cdt", [("w8a16", None), ("w8a8", None), ("w8a16", "float16")])
