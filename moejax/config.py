@@ -148,7 +148,9 @@ class EngineConfig:
         """How the model's MoE layers reach their experts under this layout."""
         if self.parallel is None:
             return ExpertParallel()
-        return ExpertParallel(self.parallel.moe_backend, AXIS, self.parallel.num_ranks, self.num_redundant_experts)
+        p = self.parallel
+        return ExpertParallel(p.moe_backend, AXIS, p.num_ranks, self.num_redundant_experts, p.dbo,
+                              p.dbo_decode_min_tokens, p.dbo_prefill_min_tokens)
 
 
 def _positive_int(v) -> bool:

@@ -145,7 +145,9 @@ class ModelRunner:
         if not names:
             return out, jnp.zeros((0, self.cfg.n_routed_experts), jnp.int32), jnp.zeros((0,), jnp.int32)
         ex = [layers[n]["mlp"]["experts"] for n in names]
-        return out, jnp.stack([e["expert_counts"][0] for e in ex]), jnp.stack([e["dispatched"][0] for e in ex])
+        # One value per MoE call: two in a layer run as two micro-batches (dual-batch overlap).
+        return (out, jnp.stack([sum(e["expert_counts"]) for e in ex]),
+                jnp.stack([sum(e["dispatched"]) for e in ex]))
 
     # ----- per-rank compiled bodies ----------------------------------------
     def _prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots, samp):

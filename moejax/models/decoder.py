@@ -16,6 +16,12 @@ from moejax.layers.norm import RMSNorm
 from moejax.parallel.dispatch import ExpertParallel
 
 
+def split_rows(n_rows: int, *arrays):
+    """The arrays' leading rows in two micro-batches: [0, ceil(n/2)) and the rest (for DBO)."""
+    m = -(-n_rows // 2)
+    return [tuple(a[:m] for a in arrays), tuple(a[m:] for a in arrays)]
+
+
 def real_tokens(cache, slots):
     """Padding rows write to an out-of-range slot; those tokens are not routed to experts."""
     return None if cache is None else slots < cache.shape[1]
@@ -57,13 +63,39 @@ class PreNormDecoderLayer(nn.Module):
                                           ctx_lens, block_size, cu_seqlens)
         h = x + a
         valid = real_tokens(cache, slots) if cu_seqlens is None else jnp.arange(x.shape[0]) < cu_seqlens[-1]
-        return h + self.ffn(self.post_attention_layernorm(h), valid), cache
+        n = self.post_attention_layernorm(h)
+        shape = n.shape
+        T = n.size // shape[-1]
+        if not self.cfg.is_moe_layer(self.layer) or self.ep.micro_batches(T, "prefill") == 1:
+            return h + self.ffn(n, valid), cache
+        # Dual-batch overlap in prefill: the token-wise ffn in two halves of the flattened tokens, so one
+        # half's dispatch/combine can run under the other's experts. Attention stays whole: a packed
+        # stream cannot be cut without one half's prompts attending across the cut.
+        valid = jnp.ones(shape[:-1], bool) if valid is None else valid
+        parts = split_rows(T, n.reshape(T, shape[-1]), valid.reshape(T))
+        y = jnp.concatenate([self.ffn(p, v) for p, v in parts]).reshape(shape)
+        return h + y, cache
 
     def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size):
         a, cache = self.self_attn.decode(self.input_layernorm(x), positions, cache, slots, block_tables,
                                          seq_lens, block_size)
         h = x + a
         return h + self.ffn(self.post_attention_layernorm(h), real_tokens(cache, slots)), cache
+
+    def decode_micro(self, parts, cache, block_size):
+        """Dual-batch overlap: ``parts`` = two micro-batches (x, positions, slots, block_tables, seq_lens).
+        Written as two independent chains (the cache update orders their attention: micro-batch 0
+        then 1), so XLA's latency-hiding scheduler can run micro-batch 1's attention and experts
+        between micro-batch 0's all-to-all start and done, and the other way round, across layers
+        too (vLLM's DBO / SGLang's two-batch overlap order)."""
+        hs = []
+        for x, positions, slots, tables, seq_lens in parts:
+            a, cache = self.self_attn.decode(self.input_layernorm(x), positions, cache, slots, tables, seq_lens,
+                                             block_size)
+            hs.append(x + a)
+        out = [(h + self.ffn(self.post_attention_layernorm(h), real_tokens(cache, p[2])),) + p[1:]
+               for h, p in zip(hs, parts)]
+        return out, cache
 
 
 class CausalLM(nn.Module):
@@ -100,6 +132,12 @@ class CausalLM(nn.Module):
 
     def decode(self, tokens, positions, cache, slots, block_tables, seq_lens, block_size: int):
         h = self.embed_tokens(tokens)
+        B = tokens.shape[0]
+        if self.ep.micro_batches(B, "decode") == 2:  # dual-batch overlap (ExpertParallel.micro_batches)
+            parts = split_rows(B, h, positions, slots, block_tables, seq_lens)
+            for layer in self.layers:
+                parts, cache = layer.decode_micro(parts, cache, block_size)
+            return jnp.concatenate([p[0] for p in parts]), cache
         for layer in self.layers:
             h, cache = layer.decode(h, positions, cache, slots, block_tables, seq_lens, block_size)
         return h, cache

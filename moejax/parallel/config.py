@@ -20,12 +20,12 @@ from pathlib import Path
 
 import yaml
 
-from moejax.parallel.dispatch import BACKENDS
+from moejax.parallel.dispatch import BACKENDS, DBO_MODES
 
 GENERATED_PATTERN = "dp{N}-ep{N}"
 _GENERATED = re.compile(r"dp([1-9][0-9]*)-ep([1-9][0-9]*)")
 _FIELDS = {"data_parallel_size", "expert_parallel_size", "moe_backend", "num_redundant_experts",
-           "eplb_interval", "eplb_window"}
+           "eplb_interval", "eplb_window", "dbo", "dbo_decode_min_tokens", "dbo_prefill_min_tokens"}
 _SUFFIXES = (".yaml", ".yml")
 
 
@@ -61,6 +61,9 @@ class ParallelConfig:
     num_redundant_experts: int = 0  # extra expert slots for replicas of hot experts
     eplb_interval: int = 0  # rebalance every N engine steps; 0 = off
     eplb_window: int = 1000  # steps of expert counts the balancer looks at
+    dbo: str = "auto"  # dual-batch overlap: "auto" (by tokens per rank, below), "on", "off"
+    dbo_decode_min_tokens: int = 64  # "auto" splits decode steps of at least this many tokens per rank
+    dbo_prefill_min_tokens: int = 512  # ... and prefill steps of at least this many
 
     @property
     def num_ranks(self) -> int:
@@ -99,14 +102,19 @@ class ParallelConfig:
         unknown = sorted(set(d) - _FIELDS, key=str)
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(_FIELDS)}")
+        if isinstance(d.get("dbo"), bool):  # YAML 1.1 reads a bare on / off as a boolean
+            d = {**d, "dbo": "on" if d["dbo"] else "off"}
         pc = cls(name=name, **d)
         for f, lo in (("data_parallel_size", 1), ("expert_parallel_size", 1), ("num_redundant_experts", 0),
-                      ("eplb_interval", 0), ("eplb_window", 1)):
+                      ("eplb_interval", 0), ("eplb_window", 1), ("dbo_decode_min_tokens", 2),
+                      ("dbo_prefill_min_tokens", 2)):
             v = getattr(pc, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{where}: {f} must be an integer >= {lo}, got {v!r}")
         if pc.data_parallel_size != pc.expert_parallel_size:
             raise ValueError(f"{where}: data_parallel_size must equal expert_parallel_size (one mesh axis serves both)")
+        if pc.dbo not in DBO_MODES:
+            raise ValueError(f"{where}: dbo must be one of {DBO_MODES}, got {pc.dbo!r}")
         if pc.moe_backend not in BACKENDS:
             raise ValueError(f"{where}: moe_backend must be one of {BACKENDS}, got {pc.moe_backend!r}")
         return pc

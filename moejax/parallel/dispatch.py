@@ -40,13 +40,34 @@ from moejax.layers.experts import SharedWeights, grouped_expert_mlp
 BACKENDS = ("a2a", "ragged", "replicated")
 
 
+DBO_MODES = ("auto", "on", "off")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
-    """How a model's routed experts are reached: ``local`` (no mesh) or a backend over ``axis``."""
+    """How a model's routed experts are reached: ``local`` (no mesh) or a backend over ``axis``;
+    and whether a step runs as two micro-batches (dual-batch overlap, ``micro_batches``)."""
     backend: str = "local"
     axis: str | None = None
     n_ranks: int = 1
     num_redundant: int = 0  # extra physical slots for replicas of hot experts (EPLB)
+    dbo: str = "off"  # "auto": by tokens per rank (below); "on"/"off": always / never
+    dbo_decode_min_tokens: int = 64
+    dbo_prefill_min_tokens: int = 512
+
+    def micro_batches(self, tokens_per_rank: int, phase: str) -> int:
+        """2 where the step's rank batch is split so one micro-batch's dispatch/combine runs under the
+        other's compute, else 1. Decided from static shapes at trace time, so every rank of a step
+        (one program) takes the same choice. "auto" needs a collective to hide (more than one rank)
+        and at least the phase's threshold of tokens per rank: below it the split's smaller GEMMs and
+        extra launches cost more than the hidden all-to-all (SGLang: -27% at 32 decode tokens per GPU,
+        +25% at 256; vLLM switches on above 32 decode and 512 prefill tokens per rank)."""
+        if tokens_per_rank < 2 or self.dbo == "off":
+            return 1
+        if self.dbo == "on":
+            return 2
+        least = self.dbo_decode_min_tokens if phase == "decode" else self.dbo_prefill_min_tokens
+        return 2 if self.n_ranks > 1 and self.backend != "local" and tokens_per_rank >= least else 1
 
 
 def physical_slots(topk_idx, slots, replicas, source_rank):

@@ -1,0 +1,80 @@
+"""Dual-batch overlap (two micro-batches per MoE step, docs/dbo.md) is exact: on 8 CPU devices the
+same prefill logits, greedy tokens and logprobs as the one-batch step, and the switch follows the
+layout's thresholds."""
+
+import jax
+import numpy as np
+import pytest
+
+import moejax
+from conftest import rel_err
+from moejax.parallel.config import ParallelConfig
+from moejax.parallel.dispatch import ExpertParallel
+from test_expert_parallel import _load, checkpoints  # noqa: F401 (a fixture: the same two checkpoints)
+
+needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (host) devices")
+
+
+def _layout(tmp_path, dbo, backend="a2a", redundant=0):
+    p = tmp_path / f"dp8-{backend}-{redundant}-{dbo}.yaml"
+    p.write_text(f"data_parallel_size: 8\nexpert_parallel_size: 8\nmoe_backend: {backend}\n"
+                 f"num_redundant_experts: {redundant}\ndbo: {dbo}\n")
+    return str(p)
+
+
+@needs8
+@pytest.mark.parametrize("routing,backend,redundant", [("uniform", "a2a", 8), ("adversarial", "a2a", 0),
+                                                       ("adversarial", "replicated", 8)])
+def test_dbo_equals_one_batch(checkpoints, tmp_path, routing, backend, redundant):  # noqa: F811
+    """DBO on against off, same layout: prefill logits rel 1e-5 (8 prompts: the ffn split in halves of
+    the packed tokens), then 32 greedy decode steps of 21 prompts over 8 ranks (2 or 3 a rank in a
+    4-row batch: micro-batches of 2 and 1, or 2 and none) with equal tokens and logprobs within 1e-5;
+    EPLB replicas (8 extra slots, hot experts replicated from the counts) in two of the cases."""
+    path = checkpoints[routing]
+    off = _load(path, _layout(tmp_path, "off", backend, redundant))
+    on = _load(path, _layout(tmp_path, "on", backend, redundant))
+    if redundant:  # the same replicated placement on both: experts 0-7 get a second slot
+        for m in (off, on):
+            b = m.engine.balancer
+            b.rebalance(np.arange(32, 0, -1, dtype=np.int64)[None].repeat(len(b.names), 0) ** 2)
+        assert (np.asarray(on.routing["layers_1"]["mlp"]["experts"]["expert_replicas"]) > 1).any()
+    rng = np.random.default_rng()
+    ids = rng.integers(2, 320, size=(8, 19))
+    assert rel_err(on.score(ids), off.score(ids)) < 1e-5
+    prompts = [rng.integers(2, 320, size=int(rng.integers(3, 30))).tolist() for _ in range(21)]
+    kw = dict(max_new_tokens=32, ignore_eos=True, logprobs=True)
+    a, b = moejax.generate(off, prompts, **kw), moejax.generate(on, prompts, **kw)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        np.testing.assert_allclose(y.logprobs, x.logprobs, rtol=1e-5, atol=1e-5)
+    assert on.engine.stats.decode_steps >= 31
+    # the MoE statistics count both micro-batches: every real token once per layer
+    assert (np.asarray(on.engine.runner.last_expert_counts).sum(-1) ==
+            np.asarray(off.engine.runner.last_expert_counts).sum(-1)).all()
+
+
+def test_micro_batches_follow_the_thresholds():
+    """auto: two micro-batches from the phase's threshold of tokens per rank, never on one device or
+    without a collective; on / off force it (one token cannot be split)."""
+    ep = ExpertParallel("a2a", "ep", 8, dbo="auto", dbo_decode_min_tokens=64, dbo_prefill_min_tokens=512)
+    assert [ep.micro_batches(t, "decode") for t in (1, 32, 63, 64, 256)] == [1, 1, 1, 2, 2]
+    assert [ep.micro_batches(t, "prefill") for t in (64, 511, 512, 4096)] == [1, 1, 2, 2]
+    assert ExpertParallel(dbo="auto").micro_batches(4096, "prefill") == 1  # one device: nothing to hide
+    assert ExpertParallel("a2a", "ep", 1, dbo="auto").micro_batches(4096, "decode") == 1
+    assert ExpertParallel(dbo="on").micro_batches(2, "decode") == 2
+    assert ExpertParallel(dbo="on").micro_batches(1, "decode") == 1
+    assert ExpertParallel("a2a", "ep", 8, dbo="off").micro_batches(4096, "decode") == 1
+
+
+def test_dbo_layout_fields(tmp_path):
+    """The layout's dbo fields: defaults (auto, 64, 512), the shipped example documents them, bad values
+    are refused naming the field."""
+    pc = ParallelConfig.load("dp8-ep8")
+    assert (pc.dbo, pc.dbo_decode_min_tokens, pc.dbo_prefill_min_tokens) == ("auto", 64, 512)
+    assert ParallelConfig.load("dp8-ep8-eplb").dbo == "auto"
+    p = tmp_path / "bad.yaml"
+    for text, field in [("dbo: sometimes\n", "dbo must be one of"), ("dbo_decode_min_tokens: 1\n", "dbo_decode_min_tokens"),
+                        ("dbo_prefill_min_tokens: x\n", "dbo_prefill_min_tokens")]:
+        p.write_text(text)
+        with pytest.raises(ValueError, match=field):
+            ParallelConfig.load(str(p))
