@@ -25,6 +25,7 @@ GPU (JAX reserves most of the GPU's memory for itself once it starts).
 """
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -265,20 +266,21 @@ def run_one(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=Fals
 
 
 def capture_decode_args(eng):
-    """Runs one more engine step and returns (the compiled decode step, the arguments it was called with)."""
+    """Runs one more engine step and returns (the jitted decode step, the arguments it was called with,
+    its static keywords: the batch's sampling mode)."""
     r = eng.runner
     real, got = r._decode, {}
 
-    def capture(*args):
-        got["args"] = args
-        return real(*args)
+    def capture(*args, **kw):
+        got["args"], got["kw"] = args, kw
+        return real(*args, **kw)
 
     r._decode = capture
     try:
         eng.step()
     finally:
         r._decode = real
-    return real, got["args"]
+    return real, got["args"], got["kw"]
 
 
 def device_step_time(eng, n: int) -> float:
@@ -286,7 +288,8 @@ def device_step_time(eng, n: int) -> float:
     the device, then n calls back to back (the donated cache chained through) timed to the last one's
     completion. The engine's step time minus this is the host's share (what the loop does not hide)."""
     r = eng.runner
-    real, args = capture_decode_args(eng)
+    real, args, kw = capture_decode_args(eng)
+    real = functools.partial(real, **kw)
     params, routing, _, *rest = args
     rest = jax.device_put(rest)  # host arrays to the device once: the timed calls copy nothing
     cache = real(params, routing, r.cache, *rest)[0]  # warm (already compiled: same shapes)
@@ -324,8 +327,8 @@ def decode_memory(eng) -> dict:
     Temporary bytes of the order of the cache's size mean the step copies the cache (it is
     donated and written in place otherwise). Costs one more compilation."""
     r = eng.runner
-    real, args = capture_decode_args(eng)
-    ma = real.lower(*args).compile().memory_analysis()
+    real, args, kw = capture_decode_args(eng)
+    ma = real.lower(*args, **kw).compile().memory_analysis()
     out = {"cache_bytes": int(r.cache.nbytes), "temp_bytes": int(ma.temp_size_in_bytes),
            "argument_bytes": int(ma.argument_size_in_bytes), "output_bytes": int(ma.output_size_in_bytes),
            "alias_bytes": int(ma.alias_size_in_bytes)}

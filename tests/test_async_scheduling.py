@@ -210,3 +210,37 @@ def test_streamed_through_the_server_engine_thread(models):
 def test_async_scheduling_is_checked(tiny_path):
     with pytest.raises(ValueError, match="async_scheduling"):
         _load(tiny_path, "yes")
+
+
+def test_decode_step_has_no_device_side_branch(models):
+    """Invariant behind the overlap: the compiled decode step holds no ``conditional`` (XLA:GPU reads its
+    predicate back to the host before launching a branch, so the call would return only once the step
+    had run), whatever the batch samples; what the batch needs is a static mode with a variant each:
+    a greedy batch's variant has no loop either (no random bits: CPU's threefry is a loop)."""
+    import re
+
+    from moejax.layers.sampler import SampleMode
+    m = models[0]
+    eng, runner = m.engine, m.engine.runner
+    got = {}
+    real = runner._decode
+
+    def capture(*args, **kw):
+        got.setdefault(kw["mode"], args)
+        return real(*args, **kw)
+
+    runner._decode = capture
+    try:
+        rng = np.random.default_rng()
+        _run(m, _prompts(3, rng), [SamplingParams(max_new_tokens=3, ignore_eos=True),
+                                   SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.8, seed=1),
+                                   SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=True, top_logprobs=2)])
+        _run(m, _prompts(2, rng), [SamplingParams(max_new_tokens=3, ignore_eos=True)] * 2)
+    finally:
+        runner._decode = real
+    assert set(got) == {SampleMode(True, True), SampleMode(False, False)}
+    for mode, args in got.items():
+        hlo = real.lower(*args, mode=mode).compile().as_text()
+        assert not re.search(r"\bconditional\(", hlo), mode
+        if mode == SampleMode(False, False):
+            assert not re.search(r"\bwhile\(", hlo)

@@ -229,14 +229,14 @@ def test_decode_step_cost_does_not_grow_with_the_cache(tiny_path):
         eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
         real, got = runner._decode, {}
 
-        def capture(*args, real=real, got=got):
-            got["args"] = args
-            return real(*args)
+        def capture(*args, real=real, got=got, **kw):
+            got["args"], got["kw"] = args, kw
+            return real(*args, **kw)
 
         runner._decode = capture
         while eng.has_unfinished():
             eng.step()
-        ma = real.lower(*got["args"]).compile().memory_analysis()
+        ma = real.lower(*got["args"], **got["kw"]).compile().memory_analysis()
         temps[blocks], caches[blocks] = ma.temp_size_in_bytes, runner.cache.nbytes
         assert ma.alias_size_in_bytes >= caches[blocks]  # donated: written in place
     assert temps[4096] < caches[4096] / 8

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from jax.sharding import NamedSharding
 from moejax.config import EngineConfig
 from moejax.engine.sequence import Sequence
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
-from moejax.layers.sampler import sample
+from moejax.layers.sampler import SampleMode, sample
 from moejax.parallel.sharding import RANK, REPLICATED, param_specs
 
 
@@ -126,7 +127,7 @@ class ModelRunner:
         self._prefill = self._compile(self._prefill_rank, "prefill", with_cache=True)
         self._prefill_paged = self._compile(self._prefill_paged_rank, "prefill_paged", with_cache=True)
         self._decode = self._compile(self._decode_rank, "decode", with_cache=True)
-        self._score = self._compile(self._score_rank, "score", with_cache=False)
+        self._score = self._compile(self._score_rank, "score", with_cache=False, sampling=False)
         def feed(prev, rows, host):
             self.trace_counts["feed"] += 1
             return _feed(prev, rows, host)
@@ -150,33 +151,33 @@ class ModelRunner:
                 jnp.stack([sum(e["dispatched"]) for e in ex]))
 
     # ----- per-rank compiled bodies ----------------------------------------
-    def _prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots, samp):
+    def _prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots, samp, mode):
         """Whole prompts packed in one stream: tokens, positions, slots [T]; cu_seqlens [B + 1]."""
         v = self._vars(params, routing)
         (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, None, cache, slots, None, None,
                                                              None, cu_seqlens, method="prefill")
         last = h[jnp.maximum(cu_seqlens[1:] - 1, 0)]  # each prompt's last token
         sampled = sample(self.module.apply(v, last, method="logits"), *samp,
-                         positions=cu_seqlens[1:] - cu_seqlens[:-1])
+                         positions=cu_seqlens[1:] - cu_seqlens[:-1], mode=mode)
         return cache, sampled, counts, dispatched
 
     def _prefill_paged_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots, block_tables,
-                            samp):
+                            samp, mode):
         B = tokens.shape[0]
         v = self._vars(params, routing)
         (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, seq_lens, cache, slots,
                                                              block_tables, ctx_lens, self.block_size,
                                                              method="prefill")
         last = h[jnp.arange(B), jnp.maximum(seq_lens - 1, 0)]
-        sampled = sample(self.module.apply(v, last, method="logits"), *samp, positions=ctx_lens)
+        sampled = sample(self.module.apply(v, last, method="logits"), *samp, positions=ctx_lens, mode=mode)
         return cache, sampled, counts, dispatched
 
-    def _decode_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens, samp):
+    def _decode_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens, samp, mode):
         v = self._vars(params, routing)
         (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, cache, slots, block_tables,
                                                              jnp.maximum(seq_lens, 1), self.block_size,
                                                              method="decode")
-        sampled = sample(self.module.apply(v, h, method="logits"), *samp, positions=positions + 1)
+        sampled = sample(self.module.apply(v, h, method="logits"), *samp, positions=positions + 1, mode=mode)
         return cache, sampled, counts, dispatched
 
     def _score_rank(self, params, routing, tokens):
@@ -186,23 +187,25 @@ class ModelRunner:
         (h, _), _, _ = self._apply_counted(v, tokens, positions, jnp.full((B,), S, jnp.int32), method="prefill")
         return (self.module.apply(v, h, method="logits"),)
 
-    def _compile(self, rank_fn, name: str, with_cache: bool):
-        """jit (and, on a mesh, shard_map) a per-rank body over inputs with a leading rank axis."""
-        def per_rank(params, routing, *args):
+    def _compile(self, rank_fn, name: str, with_cache: bool, sampling: bool = True):
+        """jit (and, on a mesh, shard_map) a per-rank body over inputs with a leading rank axis. A
+        step that samples takes the batch's SampleMode as the static keyword ``mode`` (one
+        compiled variant per mode: layers/sampler.py says why it is not decided on the device)."""
+        def per_rank(params, routing, *args, **static):
             self.trace_counts[name] += 1
-            outs = rank_fn(params, routing, *jax.tree.map(lambda a: a[0], args))
+            outs = rank_fn(params, routing, *jax.tree.map(lambda a: a[0], args), **static)
             return jax.tree.map(lambda a: a[None], outs)
 
         if self.mesh is not None:
             mesh, specs = self.mesh, param_specs(self.params)
 
-            def sharded(params, routing, *args):
-                return jax.shard_map(per_rank, mesh=mesh, in_specs=(specs, REPLICATED, *([RANK] * len(args))),
+            def fn(params, routing, *args, **static):
+                body = functools.partial(per_rank, **static)
+                return jax.shard_map(body, mesh=mesh, in_specs=(specs, REPLICATED, *([RANK] * len(args))),
                                      out_specs=RANK, check_vma=False)(params, routing, *args)
-            fn = sharded
         else:
             fn = per_rank
-        return jax.jit(fn, donate_argnums=(2,) if with_cache else ())
+        return jax.jit(fn, donate_argnums=(2,) if with_cache else (), static_argnames=("mode",) if sampling else ())
 
     # ----- host-side batching ---------------------------------------------
     def _by_rank(self, seqs: list[Sequence]) -> tuple[list[list[Sequence]], int]:
@@ -215,14 +218,12 @@ class ModelRunner:
         N = self.num_ranks
         temp, top_p = np.zeros((N, B), np.float32), np.ones((N, B), np.float32)
         top_k, seeds = np.zeros((N, B), np.int32), np.zeros((N, B), np.uint32)
-        num_top = np.zeros((N, B), np.int32)
         for r, seqs in enumerate(ranks):
             for i, s in enumerate(seqs):
                 p = s.params
                 temp[r, i], top_p[r, i], top_k[r, i] = p.temperature, p.top_p, p.top_k
                 seeds[r, i] = s.seed & 0xFFFFFFFF
-                num_top[r, i] = p.top_logprobs
-        return temp, top_p, top_k, seeds, num_top
+        return temp, top_p, top_k, seeds
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -263,10 +264,12 @@ class ModelRunner:
         samp = self._sampling_arrays(ranks, B)
         if any(s.num_cached_tokens for s in seqs):
             self.cache, sampled, counts, dispatched = self._prefill_paged(self.params, self.routing, self.cache,
-                                                                          *self._paged_arrays(ranks, B, seqs), samp)
+                                                                          *self._paged_arrays(ranks, B, seqs), samp,
+                                                                          mode=SampleMode.of(s.params for s in seqs))
         else:
             self.cache, sampled, counts, dispatched = self._prefill(self.params, self.routing, self.cache,
-                                                                    *self._packed_arrays(ranks, B), samp)
+                                                                    *self._packed_arrays(ranks, B), samp,
+                                                                    mode=SampleMode.of(s.params for s in seqs))
         self._record(counts, dispatched)
         where = {s.seq_id: (r, i) for r, rs in enumerate(ranks) for i, s in enumerate(rs)}
         out = self._gather(where, sampled, seqs)
@@ -355,7 +358,8 @@ class ModelRunner:
             tokens = jax.device_put(tokens, NamedSharding(self.mesh, RANK))
         self.cache, sampled, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens,
                                                                positions, slots, tables, lens,
-                                                               self._sampling_arrays(ranks, B))
+                                                               self._sampling_arrays(ranks, B),
+                                                               mode=SampleMode.of(s.params for s in seqs))
         self._record(counts, dispatched)
         for s in seqs:
             s.num_pending_tokens += 1

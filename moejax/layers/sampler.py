@@ -3,7 +3,16 @@ and the top log-probabilities of the raw distribution.
 
 Each row gets its own PRNG key from (seed, position), so a seeded request
 samples the same tokens whatever else shares its batch.
+
+What the batch needs (any row sampling at temperature > 0, any row asking for top logprobs) is a
+static ``SampleMode`` the host knows, not a ``lax.cond`` on the device: XLA:GPU reads a
+conditional's predicate back to the host before it launches the branch, which made every step's
+dispatch wait for the step itself (measured on the H200: the decode call returned only after the
+device had run it, so the host could not build the next step meanwhile). A batch's mode picks one
+of at most four compiled variants of a step (greedy-only batches skip the vocabulary sort).
 """
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,34 +35,43 @@ def _sample_rows(logits, temperature, top_p, top_k, keys):
     return jnp.take_along_axis(sorted_idx, choice[:, None], axis=-1)[:, 0]
 
 
-def _top_logprobs(logprobs, num_top):
+class SampleMode(NamedTuple):
+    """What a batch's sampling needs, known on the host (static: one compiled variant each)."""
+    random: bool = True  # some row samples (temperature > 0); else every row is greedy
+    top: bool = True  # some row asks for top logprobs
+
+    @classmethod
+    def of(cls, params) -> "SampleMode":
+        """The mode of a batch of SamplingParams."""
+        params = list(params)
+        return cls(any(p.temperature > 0 for p in params), any(p.top_logprobs for p in params))
+
+
+def _top_logprobs(logprobs, want: bool):
     """The MAX_TOP_LOGPROBS (or vocabulary-size) best (logprob, token id) of each row, descending; zeros
-    when no row asks (num_top all 0), so a batch without top-logprob requests skips the top-k."""
+    when no row asks (``want`` False), so such a batch skips the top-k."""
     B, V = logprobs.shape
     K = min(MAX_TOP_LOGPROBS, V)
-    return jax.lax.cond(
-        jnp.any(num_top > 0),
-        lambda: tuple(jax.lax.top_k(logprobs, K)),
-        lambda: (jnp.zeros((B, K), logprobs.dtype), jnp.zeros((B, K), jnp.int32)),
-    )
+    if want:
+        return jax.lax.top_k(logprobs, K)
+    return jnp.zeros((B, K), logprobs.dtype), jnp.zeros((B, K), jnp.int32)
 
 
-def sample(logits, temperature, top_p, top_k, seeds, num_top, positions):
+def sample(logits, temperature, top_p, top_k, seeds, positions, mode: SampleMode = SampleMode()):
     """logits [B, V] float32; temperature/top_p float32 [B]; top_k int32 [B] (0 = off);
-    seeds uint32 [B]; num_top int32 [B] (top logprobs a row asks for, 0 = none); positions int32 [B].
+    seeds uint32 [B]; positions int32 [B].
     Returns (tokens int32 [B], logprob float32 [B], top logprobs float32 [B, K], top ids int32 [B, K])
-    with K = min(MAX_TOP_LOGPROBS, V): the host keeps the first num_top of a row.
+    with K = min(MAX_TOP_LOGPROBS, V): the host keeps the first ``top_logprobs`` of a row.
 
-    temperature == 0 means greedy. Logprobs are those of the model's raw distribution
+    temperature == 0 means greedy; ``mode`` (static) may skip what no row needs. Logprobs are those of the model's raw distribution
     (log_softmax of the logits: vLLM's default ``raw_logprobs``), whatever the sampling settings."""
     greedy = jnp.argmax(logits, axis=-1)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
-    sampled = jax.lax.cond(
-        jnp.any(temperature > 0),
-        lambda: _sample_rows(logits, temperature, top_p, top_k, keys),
-        lambda: greedy,  # skip the vocabulary sort when the whole batch is greedy
-    )
-    tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    if mode.random:
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+        sampled = _sample_rows(logits, temperature, top_p, top_k, keys)
+        tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    else:  # the whole batch is greedy: no vocabulary sort
+        tokens = greedy.astype(jnp.int32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_lps, top_ids = _top_logprobs(logprobs, num_top)
+    top_lps, top_ids = _top_logprobs(logprobs, mode.top)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0], top_lps, top_ids.astype(jnp.int32)
