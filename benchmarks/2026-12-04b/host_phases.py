@@ -56,6 +56,12 @@ for mode in ("sync", "async", "sync", "async"):
     ph = {k: 1e3 * v / n for k, v in acc.items()}
     print(f"{mode}: engine step {1e3*total:.3f} ms; per step: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(ph.items(), key=lambda kv: -kv[1])), flush=True)
     out.setdefault("phases", []).append({"mode": mode, "step_ms": 1e3 * total, "phases_ms": ph})
+    if mode == "sync" and "hlo_ops" not in out:  # host-syncing control flow left in the compiled step?
+        import re
+        real, args, kw = bd.capture_decode_args(eng)
+        txt = real.lower(*args, **kw).compile().as_text()
+        out["hlo_ops"] = {op: len(re.findall(rf"\b{op}\(", txt)) for op in ("conditional", "while", "sort", "custom-call")}
+        print(f"   compiled decode step: {out['hlo_ops']}", flush=True)
     dev = bd.device_step_time(eng, 8)
     print(f"   device step alone {1e3*dev:.3f} ms", flush=True)
     out["phases"][-1]["device_ms"] = 1e3 * dev
