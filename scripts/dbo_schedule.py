@@ -215,6 +215,10 @@ def main(argv=None) -> int:
     import jax
     if a.mock_topology:
         jax.config.update("jax_mock_gpu_topology", a.mock_topology)
+        # XLA shares GPU autotuning between the processes of a multi-host compile through the
+        # distributed key-value store; the 7 mocked processes never answer, so compiling hung (H200,
+        # 2026-12-04: the first jitted initialiser was still compiling after 100 s).
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_shard_autotuning=false").strip()
     import moejax  # noqa: F401  (sets the XLA flags before the backend starts)
     devs = jax.devices()
     print(f"devices: {len(devs)} ({len(jax.local_devices())} local, {devs[0].platform}); "

@@ -46,6 +46,12 @@ for mode in ("sync", "async", "sync", "async"):
     seqs = [eng.add_request(rng.integers(2, 1000, size=2000).tolist(), SamplingParams(max_new_tokens=40, ignore_eos=True)) for _ in range(C)]
     bd.fill_without_prefill(eng)
     for _ in range(4): eng.step()
+    if mode == "sync" and "hlo_ops" not in out:  # host-syncing control flow left in the compiled step?
+        import re
+        real, args, kw = bd.capture_decode_args(eng)
+        txt = real.lower(*args, **kw).compile().as_text()
+        out["hlo_ops"] = {op: len(re.findall(rf"\b{op}\(", txt)) for op in ("conditional", "while", "sort", "custom-call")}
+        print(f"   compiled decode step: {out['hlo_ops']}", flush=True)
     wrap(r, "_decode", "jit call (dispatch)"); wrap(r, "_feed", "feed call"); wrap(r, "_gather", "read (D2H wait + unpack)")
     wrap(r, "_sampling_arrays", "sampling arrays"); wrap(eng.scheduler, "schedule", "schedule"); wrap(eng, "_append", "append")
     wrap(eng.balancer, "record", "balancer.record"); wrap(eng.blocks, "cache_computed", "cache_computed")
@@ -56,12 +62,6 @@ for mode in ("sync", "async", "sync", "async"):
     ph = {k: 1e3 * v / n for k, v in acc.items()}
     print(f"{mode}: engine step {1e3*total:.3f} ms; per step: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(ph.items(), key=lambda kv: -kv[1])), flush=True)
     out.setdefault("phases", []).append({"mode": mode, "step_ms": 1e3 * total, "phases_ms": ph})
-    if mode == "sync" and "hlo_ops" not in out:  # host-syncing control flow left in the compiled step?
-        import re
-        real, args, kw = bd.capture_decode_args(eng)
-        txt = real.lower(*args, **kw).compile().as_text()
-        out["hlo_ops"] = {op: len(re.findall(rf"\b{op}\(", txt)) for op in ("conditional", "while", "sort", "custom-call")}
-        print(f"   compiled decode step: {out['hlo_ops']}", flush=True)
     dev = bd.device_step_time(eng, 8)
     print(f"   device step alone {1e3*dev:.3f} ms", flush=True)
     out["phases"][-1]["device_ms"] = 1e3 * dev
