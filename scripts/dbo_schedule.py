@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--mock-topology", default=None, help="JAX's jax_mock_gpu_topology, e.g. 1x8x1 (GPU only)")
     p.add_argument("--dump", default=None, help="directory for the compiled HLO of each variant")
+    p.add_argument("--dbo", default="off,on", help="comma list of the variants to compile and time")
     p.add_argument("--json", default=None)
     p.add_argument("--watchdog", type=float, default=0, help="print every thread's stack after this many seconds")
     return p.parse_args(argv)
@@ -113,6 +114,9 @@ def count_a2a(hlo_text: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- the program
+_WEIGHTS = {}
+
+
 def build(a, dbo: str, batch: int):
     """The runner of a dp{N}-ep{N} layout (dbo forced on or off) with weights, cache and one decode
     step's inputs made on the devices. Returns (runner, params, routing, step arrays, sampling arrays)."""
@@ -152,9 +156,12 @@ def build(a, dbo: str, batch: int):
             return jnp.zeros(leaf.shape, leaf.dtype)
         return jax.jit(make, out_shardings=NamedSharding(mesh, s))()
 
-    flat_leaves, treedef = jax.tree.flatten(abstract)
-    flat_specs = treedef.flatten_up_to(specs)
-    params = treedef.unflatten([init(i, leaf, s) for i, (leaf, s) in enumerate(zip(flat_leaves, flat_specs))])
+    if "params" not in _WEIGHTS:  # the same weights for every variant (one compile per leaf, once)
+        flat_leaves, treedef = jax.tree.flatten(abstract)
+        flat_specs = treedef.flatten_up_to(specs)
+        _WEIGHTS["params"] = treedef.unflatten([init(i, leaf, s)
+                                                for i, (leaf, s) in enumerate(zip(flat_leaves, flat_specs))])
+    params = _WEIGHTS["params"]
     placements = initial_placements(cfg, config.num_ranks, 0)
     routing = jax.tree.map(lambda x: jax.jit(lambda: jnp.asarray(x), out_shardings=NamedSharding(mesh, REPLICATED))(),
                            routing_tree(placements, 1))
@@ -225,7 +232,7 @@ def main(argv=None) -> int:
           f"{a.preset} with {a.layers} layers, dp{a.ranks}-ep{a.ranks} {a.backend}, ctx {a.ctx}")
     results = []
     for batch in [int(b) for b in a.batch.split(",")]:
-        for dbo in ("off", "on"):
+        for dbo in a.dbo.split(","):
             r = measure(a, dbo, batch)
             results.append(r)
             moe_pairs = [p for p in r["overlap"]]
