@@ -39,13 +39,8 @@ def library_path(platform: str) -> Path:
 
 
 @functools.cache
-def _register(platform: str) -> None:
-    lib_name, dispatch_sym, combine_sym, needs = IMPLEMENTATIONS[platform]
-    path = library_path(platform)
-    if not path.is_file():
-        raise FfiUnavailable(
-            f"moe_backend 'ffi' on {platform} needs {lib_name}, which is not built (looked for {path}): it is built "
-            f"by `pip install -e .` where {needs} are found (see docs/ffi.md); or use moe_backend 'a2a'")
+def _register(platform: str, path: Path) -> None:
+    _, dispatch_sym, combine_sym, _ = IMPLEMENTATIONS[platform]
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
     except OSError as e:
@@ -63,5 +58,20 @@ def require(platform: str | None = None) -> str:
         raise FfiUnavailable(
             f"moe_backend 'ffi' has no implementation for platform {platform!r}: there is the host one (cpu) and "
             f"MoRI's (rocm); on {platform} use moe_backend 'a2a' or 'ragged'")
-    _register(platform)
+    lib_name, _, _, needs = IMPLEMENTATIONS[platform]
+    path = library_path(platform)
+    if not path.is_file():
+        raise FfiUnavailable(
+            f"moe_backend 'ffi' on {platform} needs {lib_name}, which is not built (looked for {path}): it is built "
+            f"by `pip install -e .` where {needs} are found (see docs/ffi.md); or use moe_backend 'a2a'")
+    _register(platform, path)
     return platform
+
+
+def available(platform: str | None = None) -> bool:
+    """Whether ``require`` would succeed (for listings such as scripts/bench_ep.py's)."""
+    try:
+        require(platform)
+    except FfiUnavailable:
+        return False
+    return True
