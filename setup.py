@@ -57,12 +57,18 @@ class CMakeBuild(build_ext):
         out = Path(self.build_temp).resolve() / "moejax_ffi"
         cfg = [cmake, "-S", str(HERE / "ffi"), "-B", str(out / "build"), f"-DXLA_FFI_INCLUDE_DIR={include}",
                "-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out / 'lib'}"]
+        build = [cmake, "--build", str(out / "build"), "-j", str(os.cpu_count() or 1), "--target"]
         try:
             subprocess.run(cfg, check=True)
-            subprocess.run([cmake, "--build", str(out / "build"), "-j", str(os.cpu_count() or 1)], check=True)
+            subprocess.run([*build, "moejax_ep_host"], check=True)
         except (subprocess.CalledProcessError, OSError) as e:
             self._skip(f"the CMake build failed ({e}); is a C++17 compiler installed?")
             return {}
+        if "MOEJAX_FFI_MORI:INTERNAL=ON" in (out / "build" / "CMakeCache.txt").read_text():
+            try:  # hipcc and MoRI were found (ffi/mori/mori.cmake); its failure leaves the host library
+                subprocess.run([*build, "moejax_ep_mori"], check=True)
+            except subprocess.CalledProcessError as e:
+                warnings.warn(f"moejax: the MoRI implementation of the FFI extension failed to build ({e})")
         return {name: out / "lib" / f"lib{name}.so" for name in LIBRARIES if (out / "lib" / f"lib{name}.so").exists()}
 
     def _skip(self, why: str):
