@@ -156,7 +156,8 @@ def test_eplb_replicas_and_fused_shared_experts(ckpt, tmp_path):  # noqa: F811
 def test_missing_extension_is_refused_by_name(checkpoints, tmp_path, monkeypatch):
     """Invariant: without the built library (simulated: MOEJAX_FFI_LIBRARY_DIR pointing at an empty
     directory), loading an ffi layout raises a ValueError naming the library and how to build it; an
-    a2a layout loads as before; a platform with no implementation is named as such."""
+    a2a layout loads as before; a platform with no implementation is named as such; MoRI in a process
+    with several devices is refused saying why."""
     monkeypatch.setenv(ffi_library.LIBRARY_DIR_ENV, str(tmp_path))
     with pytest.raises(ValueError, match=r"libmoejax_ep_host\.so, which is not built .*pip install"):
         _load(checkpoints["uniform"], _layout(tmp_path, 8, "ffi"))
@@ -166,6 +167,9 @@ def test_missing_extension_is_refused_by_name(checkpoints, tmp_path, monkeypatch
         ffi_library.require("rocm")
     with pytest.raises(ffi_library.FfiUnavailable, match="no implementation for platform 'cuda'"):
         ffi_library.require("cuda")
+    # MoRI holds one PE per process: a process with 8 devices is refused before MoRI is touched
+    with pytest.raises(ffi_library.FfiUnavailable, match="one GPU per process.*this process has 8"):
+        ffi_library._check_mori_processes()
 
 
 def test_missing_rank_times_out_with_names():
