@@ -6,8 +6,9 @@
 //   -> recv_x [R*T, H] (x's dtype), recv_ids [R*T, k] int32, recv_w [R*T, k] f32,
 //      recv_scales [R*T, S] f32, recv_src [R*T] int32, expert_counts [E] int32, num_recv [] int32
 //   slots: the physical expert slot of each choice (rank = slot / E), -1 = not sent (padding).
-//   A token goes at most once to each rank owning one of its choices; row i < num_recv of
-//   the receiver holds it, with recv_ids the local expert index (slot % E) of each of its
+//   A token goes at most once to each rank owning one of its choices and takes one row
+//   i < num_recv there (row order: the implementation's; host: by source rank, then token;
+//   MoRI: arrival order), with recv_ids the local expert index (slot % E) of each of its
 //   choices on this rank (-1 for the others), their weights (0 for the others), its
 //   scales, and recv_src = source rank * T + source token. Rows >= num_recv: x 0, ids -1,
 //   w 0, scales 0, src -1. R*T rows is the worst case (every token of every rank to this
