@@ -82,6 +82,11 @@ inline ffi::ErrorOr<DispatchShape> CheckDispatch(
   if (!want(recv_scales, {cap, s.scale_dim})) return bad("recv_scales must be [R*T, S]");
   if (!want(recv_src, {cap})) return bad("recv_src must be [R*T]");
   if (!want(expert_counts, {experts_per_rank})) return bad("expert_counts must be [E]");
+  const bool types_ok = recv_ids.element_type() == ffi::DataType::S32 && recv_w.element_type() == ffi::DataType::F32 &&
+                        recv_scales.element_type() == ffi::DataType::F32 &&
+                        recv_src.element_type() == ffi::DataType::S32 &&
+                        expert_counts.element_type() == ffi::DataType::S32;
+  if (!types_ok) return bad("recv_ids, recv_src and expert_counts must be int32, recv_w and recv_scales float32");
   return s;
 }
 
