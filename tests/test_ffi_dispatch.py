@@ -181,3 +181,20 @@ def test_missing_rank_times_out_with_names():
                                               timeout_s=0.3).num_recv)
     with pytest.raises(Exception, match=r"timed out after 300 ms .*arrived: 0; missing: 1"):
         jax.block_until_ready(f(x, slots))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_combine_widens_every_16_bit_value(dtype):
+    """combine on one rank (a rendezvous of one) returns every 16-bit pattern of y as its float32 sum
+    from +0: float16's subnormals widened exactly (they are float32 normals), infinities kept, -0 as
+    +0, and float32 denormals (bfloat16's subnormals) flushed to zero, as XLA:CPU runs custom calls
+    with denormals flushed, like its own arithmetic; NaNs stay NaN."""
+    bits = np.arange(1 << 16, dtype=np.uint16).reshape(-1, 256)
+    y = bits.view(np.dtype(dtype))
+    src = np.arange(y.shape[0], dtype=np.int32)
+    got = np.asarray(jax.jit(lambda y, s: ffi_ops.combine(y, s, 0, n_ranks=1))(y, src))
+    want = y.astype(np.float32)
+    want[np.abs(want) < np.finfo(np.float32).tiny] = 0.0  # denormals and -0 -> +0
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
