@@ -115,20 +115,21 @@ def test_custom_calls_follow_the_contract_with_fp8_tokens(routing):
 
 
 def test_model_matches_a2a(checkpoints, tmp_path):
-    """The ffi backend against a2a on the same 8-device layout, uniform and one-rank routing: prefill
-    logits (rel 1e-6), and greedy tokens and logprobs of 6 decode steps of 8 prompts of different
-    lengths (padded decode rows and prefill chunks)."""
+    """The ffi backend against a2a on the same 8-device layout: prefill logits (rel 1e-6) with uniform
+    and one-rank routing (rank 0 receives every token of every rank: the full worst-case capacity),
+    and with uniform routing the greedy tokens and logprobs of 6 decode steps of 5 prompts of
+    different lengths (decode batches padded per rank: padding rows)."""
     rng = np.random.default_rng()
     ids = rng.integers(2, 320, size=(8, 11))
+    for routing in ("adversarial", "uniform"):
+        models = {b: _load(checkpoints[routing], _layout(tmp_path, 8, b)) for b in ("a2a", "ffi")}
+        assert rel_err(models["ffi"].score(ids), models["a2a"].score(ids)) < 1e-6, routing
+    a2a, ffi = models["a2a"], models["ffi"]  # uniform routing
     prompts = [rng.integers(2, 320, size=int(rng.integers(3, 20))).tolist() for _ in range(5)]
     kw = dict(max_new_tokens=6, ignore_eos=True, logprobs=True)
-    for routing in ("uniform", "adversarial"):
-        a2a = _load(checkpoints[routing], _layout(tmp_path, 8, "a2a"))
-        ffi = _load(checkpoints[routing], _layout(tmp_path, 8, "ffi"))
-        assert rel_err(ffi.score(ids), a2a.score(ids)) < 1e-6
-        for x, y in zip(moejax.generate(a2a, prompts, **kw), moejax.generate(ffi, prompts, **kw)):
-            assert x.token_ids == y.token_ids
-            np.testing.assert_allclose(y.logprobs, x.logprobs, rtol=1e-5, atol=1e-6)
+    for x, y in zip(moejax.generate(a2a, prompts, **kw), moejax.generate(ffi, prompts, **kw)):
+        assert x.token_ids == y.token_ids
+        np.testing.assert_allclose(y.logprobs, x.logprobs, rtol=1e-5, atol=1e-6)
 
 
 def test_eplb_replicas_and_fused_shared_experts(ckpt, tmp_path):  # noqa: F811
