@@ -13,6 +13,8 @@ from pathlib import Path
 
 import jax
 
+from moejax import kernel_selection
+
 DISPATCH_TARGET = "moejax_ep_dispatch"
 COMBINE_TARGET = "moejax_ep_combine"
 
@@ -92,10 +94,16 @@ def _init_mori_shmem(lib) -> None:
         raise FfiUnavailable(f"MoRI shmem initialisation failed on process {rank}: {error.value.decode()}")
 
 
+def current_platform() -> str:
+    """JAX's backend, with "gpu" resolved to "cuda" or "rocm" (JAX names both "gpu")."""
+    backend = jax.default_backend()
+    return kernel_selection.platform() if backend == "gpu" else backend
+
+
 def require(platform: str | None = None) -> str:
-    """Registers the implementation for ``platform`` (default: JAX's backend) and returns the platform;
-    raises FfiUnavailable naming what is missing."""
-    platform = platform or jax.default_backend()
+    """Registers the implementation for ``platform`` (default: the current one) and returns the
+    platform; raises FfiUnavailable naming what is missing."""
+    platform = platform or current_platform()
     if platform not in IMPLEMENTATIONS:
         raise FfiUnavailable(
             f"moe_backend 'ffi' has no implementation for platform {platform!r}: there is the host one (cpu) and "
