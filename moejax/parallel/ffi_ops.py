@@ -12,6 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moejax.parallel import ffi_library
 from moejax.parallel.ffi_library import COMBINE_TARGET, DISPATCH_TARGET
 
 # How long a rank of the host implementation waits for its peers before failing with an error
@@ -41,6 +42,7 @@ def dispatch(x, slots, weights, rank, *, n_ranks: int, experts_per_rank: int, sc
              timeout_s: float | None = None) -> Received:
     """x [T, H]; slots [T, k] physical expert slots (-1: not sent, e.g. padding); weights [T, k];
     rank: this rank's index on the axis; scales [T, S] (FP8 block scales), carried with their tokens."""
+    ffi_library.require()  # the platform's implementation registered, or an error naming what is missing
     T, H = x.shape
     k = slots.shape[1]
     cap = n_ranks * T
@@ -62,6 +64,7 @@ def combine(y, src, rank, *, n_ranks: int, timeout_s: float | None = None):
     """y [R*T, H]: each received row's output (routing weights applied, local experts summed);
     src: dispatch's ``Received.src``. Returns float32 [T, H]: per own token, the sum of its rows
     from every rank, added in rank order."""
+    ffi_library.require()
     cap, H = y.shape
     call = jax.ffi.ffi_call(COMBINE_TARGET, jax.ShapeDtypeStruct((cap // n_ranks, H), jnp.float32))
     return call(y, src.astype(jnp.int32), jnp.asarray(rank, jnp.int32), n_ranks=n_ranks, op_id=next(_op_ids),
