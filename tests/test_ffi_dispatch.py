@@ -14,9 +14,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moejax
 from conftest import rel_err
+from moejax.eplb.placement import zipf_load
 from moejax.parallel import ffi_library, ffi_ops
 from test_eplb import _layout as eplb_layout, ckpt  # noqa: F401  (module fixture, rebuilt here)
-from test_eplb import zipf_load
 from test_expert_parallel import _layout, _load, checkpoints  # noqa: F401  (module fixture, rebuilt here)
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (host) devices")
