@@ -58,12 +58,13 @@ class CMakeBuild(build_ext):
         cfg = [cmake, "-S", str(HERE / "ffi"), "-B", str(out / "build"), f"-DXLA_FFI_INCLUDE_DIR={include}",
                "-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out / 'lib'}"]
         build = [cmake, "--build", str(out / "build"), "-j", str(os.cpu_count() or 1), "--target"]
-        try:
-            subprocess.run(cfg, check=True)
-            subprocess.run([*build, "moejax_ep_host"], check=True)
-        except (subprocess.CalledProcessError, OSError) as e:
-            self._skip(f"the CMake build failed ({e}); is a C++17 compiler installed?")
-            return {}
+        for step, cmd in (("configure", cfg), ("build", [*build, "moejax_ep_host"])):
+            try:
+                subprocess.run(cmd, check=True)
+            except (subprocess.CalledProcessError, OSError) as e:
+                why = f"exit {e.returncode}" if isinstance(e, subprocess.CalledProcessError) else str(e)
+                self._skip(f"the CMake {step} step failed ({why}; its output is above); is a C++17 compiler installed?")
+                return {}
         if "MOEJAX_FFI_MORI:INTERNAL=ON" in (out / "build" / "CMakeCache.txt").read_text():
             try:  # hipcc and MoRI were found (ffi/mori/mori.cmake); its failure leaves the host library
                 subprocess.run([*build, "moejax_ep_mori"], check=True)
