@@ -52,7 +52,7 @@ class CMakeBuild(build_ext):
             include = None
         missing = [what for what, ok in (("cmake", cmake), ("jaxlib (for the XLA FFI headers)", include)) if not ok]
         if missing:
-            self._skip(f"{' and '.join(missing)} not found")
+            self._skip(f"{' and '.join(missing)} not found.")
             return {}
         out = Path(self.build_temp).resolve() / "moejax_ffi"
         cfg = [cmake, "-S", str(HERE / "ffi"), "-B", str(out / "build"), f"-DXLA_FFI_INCLUDE_DIR={include}",
@@ -63,7 +63,7 @@ class CMakeBuild(build_ext):
                 subprocess.run(cmd, check=True)
             except (subprocess.CalledProcessError, OSError) as e:
                 why = f"exit {e.returncode}" if isinstance(e, subprocess.CalledProcessError) else str(e)
-                self._skip(f"the CMake {step} step failed ({why}; its output is above); is a C++17 compiler installed?")
+                self._skip(f"The CMake {step} step failed ({why}; its output is above): is a C++17 compiler installed?")
                 return {}
         if "MOEJAX_FFI_MORI:INTERNAL=ON" in (out / "build" / "CMakeCache.txt").read_text():
             try:  # hipcc and MoRI were found (ffi/mori/mori.cmake); its failure leaves the host library
@@ -72,9 +72,9 @@ class CMakeBuild(build_ext):
                 warnings.warn(f"moejax: the MoRI implementation of the FFI extension failed to build ({e})")
         return {name: out / "lib" / f"lib{name}.so" for name in LIBRARIES if (out / "lib" / f"lib{name}.so").exists()}
 
-    def _skip(self, why: str):
-        msg = (f"moejax: the XLA FFI extension (moe_backend: ffi) is not built: {why}. Everything else works; "
-               f"see docs/ffi.md to build it")
+    def _skip(self, why: str):  # why: a sentence
+        msg = (f"moejax: the XLA FFI extension (moe_backend: ffi) is not built. {why} Everything else works; "
+               f"docs/ffi.md says how to build it.")
         warnings.warn(msg)
         print(f"WARNING: {msg}", file=sys.stderr)
 
