@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import zlib
 from typing import NamedTuple
 
 import jax
@@ -19,8 +20,20 @@ from moejax.parallel.ffi_library import COMBINE_TARGET, DISPATCH_TARGET
 # naming the missing ranks (a bound, never reached when XLA runs every device's program).
 TIMEOUT_ENV = "MOEJAX_FFI_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 120.0
-# One id per traced call site: with XLA's run id it tells the host rendezvous which ranks' calls meet.
-_op_ids = itertools.count(1)
+# With XLA's run id, the op id tells the host rendezvous which ranks' calls meet: one per call site.
+_op_ids = itertools.count(1 << 32)  # above every scope hash
+
+
+def _op_id(kind: str) -> int:
+    """A hash of the call's name scope (a Flax module's path, e.g. ``...layers_3.ffn/mlp/experts``),
+    so a program's HLO does not depend on the order this process traced its calls (the persistent
+    compilation cache hits across processes); outside any named scope, a fresh counter value."""
+    try:
+        from jax._src import source_info_util  # JAX has no public reader of the name stack
+        scope = str(source_info_util.current_name_stack())
+    except (ImportError, AttributeError):
+        scope = ""
+    return zlib.crc32(f"{kind}:{scope}".encode()) if scope else next(_op_ids)
 
 
 class Received(NamedTuple):
@@ -55,7 +68,7 @@ def dispatch(x, slots, weights, rank, *, n_ranks: int, experts_per_rank: int, sc
            jax.ShapeDtypeStruct((), i32)]
     call = jax.ffi.ffi_call(DISPATCH_TARGET, out)
     res = call(x, slots.astype(i32), weights.astype(f32), scales, jnp.asarray(rank, i32),
-               n_ranks=n_ranks, experts_per_rank=experts_per_rank, op_id=next(_op_ids),
+               n_ranks=n_ranks, experts_per_rank=experts_per_rank, op_id=_op_id("dispatch"),
                timeout_ms=_timeout_ms(timeout_s))
     return Received(*res)
 
@@ -67,5 +80,5 @@ def combine(y, src, rank, *, n_ranks: int, timeout_s: float | None = None):
     ffi_library.require()
     cap, H = y.shape
     call = jax.ffi.ffi_call(COMBINE_TARGET, jax.ShapeDtypeStruct((cap // n_ranks, H), jnp.float32))
-    return call(y, src.astype(jnp.int32), jnp.asarray(rank, jnp.int32), n_ranks=n_ranks, op_id=next(_op_ids),
+    return call(y, src.astype(jnp.int32), jnp.asarray(rank, jnp.int32), n_ranks=n_ranks, op_id=_op_id("combine"),
                 timeout_ms=_timeout_ms(timeout_s))
