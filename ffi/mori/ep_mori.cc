@@ -7,9 +7,9 @@
 // - dispatch reads x, weights, scales and slots straight from XLA's buffers (MoRI's senders copy
 //   from any device pointer), no copy in;
 // - dispatch results are written by the *peers* into MoRI's symmetric buffers: XLA's outputs are
-//   not symmetric memory, so MoRI's API cannot target them, and UnpackDispatch copies each row
-//   once into XLA's outputs (LaunchUnpackDispatch), fused with the layout conversion (global slot -> local expert index,
-//   weights of other ranks' experts zeroed, counts, padding rows);
+//   not symmetric memory, so MoRI's API cannot target them, and LaunchUnpackDispatch copies each
+//   row once into XLA's outputs, fused with the layout conversion (global slot -> local expert
+//   index, other ranks' weights zeroed, counts, empty rows);
 // - combine runs MoRI's "_nop2p" kernel (useExternalInpBuffer): each rank pushes its rows from
 //   XLA's y straight into the owners' staging buffers, no local copy in;
 // - combine's sum lands in MoRI's buffer (LaunchCombine passes no output pointer), and
@@ -32,9 +32,9 @@
 #include <tuple>
 
 #include "../ep_contract.h"
+#include "layout_kernels.h"
 #include "mori/ops/dispatch_combine/dispatch_combine.hpp"
 #include "mori/ops/dispatch_combine/launch.hpp"
-#include "layout_kernels.h"
 #include "mori/shmem/shmem_api.hpp"
 
 namespace moejax_ffi {
