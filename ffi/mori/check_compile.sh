@@ -3,7 +3,7 @@
 # "What was run"): against MoRI's own headers and libraries from the amd-mori wheel, with
 # Debian 12's ROCm 5.2 toolchain (apt-get install hipcc libamdhip64-dev librocm-smi-dev
 # libibverbs-dev libhsakmt-dev).
-#   1. layout_kernels.hip: compiled for real by hipcc to AMD GPU code (gfx90a);
+#   1. layout_kernels.hip: compiled for real by hipcc to AMD GPU code (gfx90a, gfx940);
 #   2. ep_mori.cc: compiled by clang++ as host C++ against MoRI's headers, with check-only shims for
 #      what ROCm 5.2 lacks (ROCm 6.2's hipDataType values; hsakmt/ include paths);
 #   3. linked into a shared library, and every MoRI symbol it needs found, by its mangled signature,
@@ -33,10 +33,11 @@ H
 echo '#include <hsakmt.h>' > "$out/shim/hsakmt/hsakmt.h"
 echo '#include <hsakmttypes.h>' > "$out/shim/hsakmt/hsakmttypes.h"
 
-hipcc -std=c++17 --offload-arch=gfx90a -fPIC -c "$here/layout_kernels.hip" -o "$out/layout_kernels.o" 2> "$out/hipcc.log" \
-  || { cat "$out/hipcc.log"; exit 1; }
+# MI250 (gfx90a) and MI300 (gfx940: ROCm 5.2's clang predates gfx942's name)
+hipcc -std=c++17 --offload-arch=gfx90a --offload-arch=gfx940 -fPIC -c "$here/layout_kernels.hip" \
+  -o "$out/layout_kernels.o" 2> "$out/hipcc.log" || { cat "$out/hipcc.log"; exit 1; }
 objdump -h "$out/layout_kernels.o" | grep -q hip_fatbin || { echo "no GPU code in layout_kernels.o"; exit 1; }
-echo "layout_kernels.hip: compiled for gfx90a"
+echo "layout_kernels.hip: compiled for gfx90a and gfx940"
 
 clang++-15 -std=c++20 -fPIC -O1 -Wall -Wextra -c -D__HIP_PLATFORM_AMD__ -I "$out/shim" -isystem "$xla" \
   -isystem "$mori/_jit_sources/include" "$here/ep_mori.cc" -o "$out/ep_mori.o"
