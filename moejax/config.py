@@ -128,6 +128,12 @@ class EngineConfig:
             if parallel.moe_backend == "ragged" and jax.default_backend() == "cpu":
                 raise ValueError("moe_backend 'ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not "
                                  "implement; use 'a2a' or 'replicated' on CPU")
+            if parallel.moe_backend == "ffi":
+                from moejax.parallel import ffi_library  # only this backend loads the extension
+                try:
+                    ffi_library.require()
+                except ffi_library.FfiUnavailable as e:
+                    raise ValueError(str(e)) from None
         return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels, fp8=fp8,
                    fuse_shared_experts=fuse_shared_experts,
                    scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens, max_preemptions,

@@ -42,6 +42,7 @@ from moejax.benchmark.ep import all_to_all_rate, time_dispatch  # noqa: E402
 from moejax.engine.sampling_params import SamplingParams  # noqa: E402
 from moejax.models.registry import parse_model_config  # noqa: E402
 from moejax.parallel.dispatch import BACKENDS  # noqa: E402
+from moejax.parallel.ffi_library import available as ffi_available  # noqa: E402
 from moejax.parallel.sharding import make_mesh  # noqa: E402
 from moejax.tiny.presets import preset  # noqa: E402
 from moejax.tiny.random_model import random_device_params, random_model  # noqa: E402
@@ -49,7 +50,8 @@ from moejax.weights.param_tree import flatten, unflatten  # noqa: E402
 
 
 def backends() -> list[str]:
-    return [b for b in BACKENDS if b != "ragged" or jax.default_backend() != "cpu"]  # no ragged a2a on XLA:CPU
+    """The backends this platform runs: no ragged on XLA:CPU (no ragged all-to-all), ffi where its extension is built."""
+    return [b for b in BACKENDS if (b != "ragged" or jax.default_backend() != "cpu") and (b != "ffi" or ffi_available())]
 
 
 def layout(n: int, backend: str, **extra) -> str:

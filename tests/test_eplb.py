@@ -51,9 +51,9 @@ def ckpt(tmp_path_factory):
     return make_random_checkpoint(str(tmp_path_factory.mktemp("eplb")), CFG, seed=31, std=0.1)
 
 
-def _layout(tmp_path, redundant=0, interval=0):
-    p = tmp_path / f"eplb-{redundant}-{interval}.yaml"
-    p.write_text(f"data_parallel_size: 8\nexpert_parallel_size: 8\nmoe_backend: a2a\n"
+def _layout(tmp_path, redundant=0, interval=0, backend="a2a"):
+    p = tmp_path / f"eplb-{redundant}-{interval}-{backend}.yaml"
+    p.write_text(f"data_parallel_size: 8\nexpert_parallel_size: 8\nmoe_backend: {backend}\n"
                  f"num_redundant_experts: {redundant}\neplb_interval: {interval}\neplb_window: 50\n")
     return str(p)
 

@@ -1,7 +1,8 @@
 """Packaging: the parallel layouts ship inside the package (the repository's configs/ becomes
 moejax.configs), dp{N}-ep{N} layouts are generated, and scripts/serve.py forwards moejax.load's
 options. The slow test builds the wheel, installs it (not editable) into a fresh venv and loads
-layouts from that install; then installs the same tree editable into the venv and checks again."""
+layouts (and the FFI extension, built by setup.py) from that install; then installs the same tree
+editable into the venv and checks again."""
 
 import importlib.util
 import inspect
@@ -115,6 +116,7 @@ _CHECK = textwrap.dedent("""
     import dataclasses, importlib.metadata, importlib.resources, json, sys
     import moejax
     from moejax.parallel.config import ParallelConfig, layout_dir, shipped_layouts
+    from moejax.parallel import ffi_library
     res = importlib.resources.files("moejax.configs")
     dist = importlib.metadata.distribution("moejax")
     print(json.dumps({
@@ -127,6 +129,8 @@ _CHECK = textwrap.dedent("""
         "example": dataclasses.asdict(ParallelConfig.load(sys.argv[1])),
         "dist_files": sorted(str(f) for f in dist.files or () if "configs" in str(f)),
         "editable": dist.read_text("direct_url.json"),  # PEP 610: dir_info.editable for -e
+        "ffi_library": str(ffi_library.library_path("cpu")),
+        "ffi_available": ffi_library.available("cpu"),
     }))
 """)
 
@@ -159,11 +163,11 @@ def _copy_tree(dst: Path) -> Path:
     cfg = _pyproject()
     tops = {p.split(".")[0] for p in cfg["tool"]["setuptools"]["packages"]}
     tops |= {d.split("/")[0] for d in cfg["tool"]["setuptools"]["package-dir"].values()}
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist")
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist", "libmoejax_ep_*.so")
     dst.mkdir()
-    for name in ("pyproject.toml", cfg["project"]["readme"]):
+    for name in ("pyproject.toml", "setup.py", cfg["project"]["readme"]):
         shutil.copy2(REPO / name, dst / name)
-    for top in sorted(tops):
+    for top in sorted(tops | {"ffi"}):  # ffi/: the C++ extension setup.py builds with CMake
         shutil.copytree(REPO / top, dst / top, ignore=ignore)
     return dst
 
@@ -211,6 +215,11 @@ def test_wheel_and_editable_install_in_fresh_venv(tmp_path):
                             num_redundant_experts=0, eplb_interval=0, eplb_window=1000)
     assert r["example"] == dict(name=EXAMPLE, **{k: v for k, v in ParallelConfig.load(EXAMPLE).__dict__.items()
                                                   if k != "name"})
+    # the FFI extension (ffi/) is built into the wheel where a C++ compiler is found, and loads from the install
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    assert r["ffi_available"] == bool(compiler), r["ffi_library"]
+    if compiler:
+        assert Path(r["ffi_library"]).resolve() == site / "moejax" / "parallel" / "libmoejax_ep_host.so"
 
     # the same tree, editable (as .ci/run installs it): moejax and moejax.configs map to the tree
     _run([*pip, *build_flags, "-e", src])  # isolated (fetching setuptools) as the wheel build was
@@ -220,6 +229,8 @@ def test_wheel_and_editable_install_in_fresh_venv(tmp_path):
     assert Path(r["layout_dir"]).resolve() == Path(r["configs_resource"]).resolve() == (src / "configs").resolve()
     assert r["configs_files"] == shipped and r["shipped"] == [f[:-5] for f in shipped]
     assert r["dp2"]["data_parallel_size"] == 2 and r["example"]["name"] == EXAMPLE
+    if compiler:  # built into the source tree, next to the code that loads it
+        assert r["ffi_available"] and Path(r["ffi_library"]).resolve() == src / "moejax" / "parallel" / "libmoejax_ep_host.so"
 
 
 # --- scripts/serve.py -----------------------------------------------------------------------------

@@ -47,11 +47,11 @@ def time_dispatch(mesh, backend: str, tokens: int, hidden: int, experts: int, to
     wu = jax.device_put((0.02 * jax.random.normal(key[4], (E, H, I))).astype(jnp.bfloat16), shard)
     wd = jax.device_put((0.02 * jax.random.normal(key[5], (E, I, H))).astype(jnp.bfloat16), shard)
     # Off-device bytes per rank: a2a ships [ranks, T, H] buffers (static worst case) both ways;
-    # ragged ships the (token, rank) pairs that exist; replicated all-gathers x and reduce-scatters
+    # ragged and ffi ship the (token, rank) pairs that exist; replicated all-gathers x and reduce-scatters
     # float32 partial sums.
     dest = np.asarray(idx).reshape(n, T, k) // (E // n)
     pairs = float(np.mean([sum(len(set(dest[r, t]) - {r}) for t in range(T)) for r in range(n)]))
-    moved = {"a2a": 2 * (n - 1) * T * H * 2, "ragged": 2 * pairs * H * 2,
+    moved = {"a2a": 2 * (n - 1) * T * H * 2, "ragged": 2 * pairs * H * 2, "ffi": 2 * pairs * H * 2,
              "replicated": (n - 1) * T * H * 2 + (n - 1) * T * H * 4}[backend]
     body = functools.partial(dispatch_fn(backend), axis=AXIS, n_ranks=n)
     f = jax.jit(jax.shard_map(lambda *a: body(*a[:6], ExpertWeights(*a[6:]))[0], mesh=mesh,

@@ -23,6 +23,10 @@ from per-rank counts.
   and sends one partial sum back; ``jax.lax.all_to_all`` both ways.
 - ``ragged`` (GPU): the same exchange with ``jax.lax.ragged_all_to_all``,
   sending only the rows that exist. XLA:CPU does not implement it.
+- ``ffi``: the same exchange as ``a2a`` through the XLA FFI extension's dispatch and
+  combine custom calls (ffi/, docs/ffi.md), the implementation chosen by platform:
+  host on CPU (the contract's reference, run in CI), MoRI on ROCm; receives only
+  the rows that exist, at a static worst-case capacity [ranks * T, H].
 - ``replicated``: tokens all-gathered, each rank computes its experts for every
   token, partial sums reduce-scattered back (small decode batches).
 - ``local``: no mesh; all experts on this device.
@@ -37,7 +41,7 @@ import jax.numpy as jnp
 
 from moejax.layers.experts import SharedWeights, grouped_expert_mlp
 
-BACKENDS = ("a2a", "ragged", "replicated")
+BACKENDS = ("a2a", "ragged", "replicated", "ffi")
 
 
 DBO_MODES = ("auto", "on", "off")
@@ -193,5 +197,17 @@ def ragged(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ran
     return _plus(y, ys), n
 
 
+def ffi(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int, shared=None):
+    """As ``a2a``, with dispatch and combine as the FFI extension's custom calls (moejax/parallel/ffi_ops.py)."""
+    from moejax.parallel import ffi_ops  # only this backend needs the extension (loaded there)
+    E_loc = w.num_experts
+    me = jax.lax.axis_index(axis)
+    s = jnp.where(valid[:, None], physical_slots(topk_idx, slots, replicas, me), -1)  # padding goes nowhere
+    r = ffi_ops.dispatch(x, s, topk_weight, me, n_ranks=n_ranks, experts_per_rank=E_loc)
+    y, ys, _ = _apply_local_experts(r.x, r.ids, r.weights, w, shared, x)
+    back = ffi_ops.combine(y.astype(x.dtype), r.src, me, n_ranks=n_ranks)
+    return _plus(back, ys), r.expert_counts.sum()
+
+
 def dispatch_fn(backend: str):
-    return {"a2a": a2a, "replicated": replicated, "ragged": ragged}[backend]
+    return {"a2a": a2a, "replicated": replicated, "ragged": ragged, "ffi": ffi}[backend]
