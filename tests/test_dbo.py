@@ -24,8 +24,11 @@ def _layout(tmp_path, dbo, backend="a2a", redundant=0):
 
 @needs8
 @pytest.mark.parametrize("routing,backend,redundant", [("uniform", "a2a", 8), ("adversarial", "a2a", 0),
-                                                       ("adversarial", "replicated", 8)])
+                                                       ("adversarial", "replicated", 8), ("uniform", "ffi", 0)])
 def test_dbo_equals_one_batch(checkpoints, tmp_path, routing, backend, redundant):  # noqa: F811
+    if backend == "ffi":
+        from moejax.parallel import ffi_library
+        ffi_library.require("cpu")  # fails, saying how to build it, where the extension is missing
     """DBO on against off, same layout: prefill logits rel 1e-5 (8 prompts: the ffn split in halves of
     the packed tokens), then 32 greedy decode steps of 21 prompts over 8 ranks (2 or 3 a rank in a
     4-row batch: micro-batches of 2 and 1, or 2 and none) with equal tokens and logprobs within 1e-5;
