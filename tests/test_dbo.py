@@ -70,11 +70,15 @@ def test_micro_batches_follow_the_thresholds():
 
 
 def test_dbo_layout_fields(tmp_path):
-    """The layout's dbo fields: defaults (auto, 64, 512), the shipped example documents them, bad values
-    are refused naming the field."""
+    """The layout's dbo fields: defaults (off, 64, 512), the shipped example documents them, bad values
+    are refused naming the field; YAML's bare on / off (booleans) mean "on" / "off"."""
     pc = ParallelConfig.load("dp8-ep8")
-    assert (pc.dbo, pc.dbo_decode_min_tokens, pc.dbo_prefill_min_tokens) == ("auto", 64, 512)
-    assert ParallelConfig.load("dp8-ep8-eplb").dbo == "auto"
+    assert (pc.dbo, pc.dbo_decode_min_tokens, pc.dbo_prefill_min_tokens) == ("off", 64, 512)
+    assert ParallelConfig.load("dp8-ep8-eplb").dbo == "off"
+    p = tmp_path / "ok.yaml"
+    for text, want in [("dbo: on\n", "on"), ("dbo: off\n", "off"), ("dbo: auto\n", "auto")]:
+        p.write_text(text)
+        assert ParallelConfig.load(str(p)).dbo == want
     p = tmp_path / "bad.yaml"
     for text, field in [("dbo: sometimes\n", "dbo must be one of"), ("dbo_decode_min_tokens: 1\n", "dbo_decode_min_tokens"),
                         ("dbo_prefill_min_tokens: x\n", "dbo_prefill_min_tokens")]:

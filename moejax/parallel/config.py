@@ -61,7 +61,10 @@ class ParallelConfig:
     num_redundant_experts: int = 0  # extra expert slots for replicas of hot experts
     eplb_interval: int = 0  # rebalance every N engine steps; 0 = off
     eplb_window: int = 1000  # steps of expert counts the balancer looks at
-    dbo: str = "auto"  # dual-batch overlap: "auto" (by tokens per rank, below), "on", "off"
+    # Dual-batch overlap: "auto" (by tokens per rank, below), "on", "off". Off by default: on one node the
+    # split costs more than it hides (docs/dbo.md: +23-27% per-rank compute against an exchange of 3-6%
+    # of the step); "auto" is for layouts whose exchange is large (several nodes).
+    dbo: str = "off"
     dbo_decode_min_tokens: int = 64  # "auto" splits decode steps of at least this many tokens per rank
     dbo_prefill_min_tokens: int = 512  # ... and prefill steps of at least this many
 

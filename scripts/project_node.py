@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""A MODEL, not a measurement: 8-GPU node decode throughput for DeepSeek-V3 and Step3 projected from
+one GPU's measured per-rank decode step, the dispatch/combine bytes per MoE layer and a stated
+interconnect bandwidth, with and without dual-batch overlap (DBO). Real multi-GPU runs replace it.
+
+  python scripts/project_node.py                       # both models, H200 NVLink and MI300X xGMI
+  python scripts/project_node.py --model v3 --concurrency 1024,2048,4096 --efficiency 0.6 --json out.json
+
+Per step of a node at concurrency C (T = C / 8 tokens per rank, every sequence one token):
+- compute: the EP8-rank preset's decode step measured on one H200 (MEASURED below, BENCHMARKS.md;
+  interpolated linearly in T between measured points), times full layers / preset layers;
+- exchange: per MoE layer, dispatch and combine, each rank sending to each other rank the tokens
+  routed there: with the ``a2a`` backend today the whole static buffer [ranks, T, H] (worst case,
+  nothing dropped); with a backend moving only the rows that exist (``ragged``, MoRI) the expected
+  number of remote ranks a token reaches; FP8 dispatch (MoRI Fp8DirectCast, DeepEP) halves the
+  dispatch bytes; bytes / (link bandwidth per direction x efficiency) + a latency per collective;
+- without DBO: compute + exchange; with DBO: max(compute x (1 + DBO cost), exchange) + latency, the
+  cost of the split measured under the mock topology (docs/dbo.md); this bound assumes the exchange
+  is hidden entirely, which the compiled schedule shows only for the experts' part (docs/dbo.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+# One H200, `scripts/bench_decode.py --preset <p> --kernels auto --fill random` (BENCHMARKS.md):
+# tokens per rank -> (step seconds, preset layers). DeepSeek-V3 with FP8 weights (bf16 does not fit
+# 8 x 141 GB: 671e9 x 2 B / 8 = 168 GB a GPU), Step3 in bf16 (321e9 x 2 B / 8 = 80 GB a GPU).
+MEASURED = {
+    "v3": {"preset": "deepseek-v3-ep8-rank (FP8 weights)", "full_layers": 61, "moe_layers": 58, "hidden": 7168,
+           "points": {64: (32.62e-3, 20, "2026-12-03 FP8 c64"), 256: (73.08e-3, 20, "2026-12-03 FP8 c256"),
+                      1024: (114.27e-3, 12, "2026-12-04 FP8 c1024, 12 layers")},
+           # 256 experts top-8 in 8 groups, at most 4 groups a token (DeepSeek's node-limited routing);
+           # with 32 experts a rank each group is one rank: a token reaches at most 4 ranks
+           "experts": 256, "top_k": 8, "max_ranks_per_token": 4,
+           "targets": "21,224 tok/s per 8x MI300X (SGLang, input 2000, output 100, concurrency 4096); "
+                      "22,282 per 8x H100"},
+    "step3": {"preset": "step3-ep8-rank (bf16)", "full_layers": 61, "moe_layers": 56, "hidden": 7168,
+              "points": {32: (16.39e-3, 16, "2026-12-02d c32"), 64: (16.34e-3, 16, "2026-12-03c c64"),
+                         256: (34.03e-3, 16, "2026-12-03 c256"), 512: (52.27e-3, 16, "2026-12-03b c512"),
+                         1024: (70.81e-3, 12, "2026-12-03c c1024, 12 layers")},
+              "experts": 48, "top_k": 3, "max_ranks_per_token": 3,
+              "targets": "4,082 decode tok/s on 8x MI308X (input 4096, output 256, concurrency 256)"},
+}
+# Per-direction interconnect bandwidth a GPU, from the vendors' datasheets.
+LINKS = {
+    "h200": (450e9, "H200 NVLink 4: 900 GB/s bidirectional a GPU (NVIDIA H200 datasheet)"),
+    "mi300x": (448e9, "MI300X Infinity Fabric: 896 GB/s peak aggregate bidirectional a GPU, 7 links (AMD datasheet)"),
+}
+# The split's own cost: per-rank step with DBO on over off, collectives mocked (mock GPU topology,
+# DeepSeek-V3 shapes, 3 layers; benchmarks/2026-12-04b run3/run4): tokens per rank -> cost.
+DBO_COST = {64: 3.116 / 2.458 - 1, 256: 7.337 / 5.971 - 1}
+
+
+def interp(points: dict, x: float) -> float:
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    if x >= xs[-1]:
+        return points[xs[-1]]
+    hi = next(i for i in xs if i >= x)
+    lo = max(i for i in xs if i <= x)
+    return points[lo] if hi == lo else points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+
+
+def expected_remote_ranks(m: dict, ranks: int) -> float:
+    """Expected number of other ranks a token's top-k experts sit on (uniform routing), capped by the
+    model's node-limited routing."""
+    E, k, per = m["experts"], m["top_k"], m["experts"] // ranks
+    p_absent = math.comb(E - per, k) / math.comb(E, k)
+    return min((ranks - 1) * (1 - p_absent), m["max_ranks_per_token"] * (ranks - 1) / ranks)
+
+
+def project(model: str, C: int, link: str, efficiency: float, latency: float, ranks: int = 8) -> dict:
+    m = MEASURED[model]
+    T = C / ranks
+    per_layer_scaled = {t: s / layers * m["full_layers"] for t, (s, layers, _) in m["points"].items()}
+    compute = interp(per_layer_scaled, T)
+    H, L = m["hidden"], m["moe_layers"]
+    bw = LINKS[link][0] * efficiency
+    remote = expected_remote_ranks(m, ranks)
+    exchange = {
+        # static [ranks, T, H] bf16 both ways (+ ids int32 and weights f32 [ranks, T, k]), 4 collectives
+        "a2a (static buffers, bf16)": (L * (ranks - 1) * T * (2 * H * 2 + m["top_k"] * 8) / bw + L * 4 * latency),
+        "rows that exist, bf16": L * T * remote * (2 * H * 2) / bw + L * 2 * latency,
+        "rows that exist, FP8 dispatch": L * T * remote * (H * (1 + 4 / 128) + H * 2) / bw + L * 2 * latency,
+    }
+    cost = interp(DBO_COST, T)
+    out = {"model": model, "concurrency": C, "tokens_per_rank": T, "link": link, "compute_s": compute,
+           "dbo_cost": cost, "remote_ranks_per_token": remote, "variants": {}}
+    for name, ex in exchange.items():
+        off = compute + ex
+        on = max(compute * (1 + cost), ex)
+        out["variants"][name] = {"exchange_s": ex, "step_s": off, "step_dbo_s": on,
+                                 "tok_s": C / off, "tok_s_dbo": C / on}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="v3,step3", help="comma list of v3 / step3")
+    p.add_argument("--concurrency", default=None, help="node concurrency list (default v3: 1024,2048,4096; step3: 256)")
+    p.add_argument("--link", default="h200,mi300x", help="comma list of " + " / ".join(LINKS))
+    p.add_argument("--efficiency", type=float, default=0.75,
+                   help="fraction of the link's bandwidth an all-to-all reaches (assumed; DeepEP's intranode "
+                        "kernels report ~155 GB/s of H800's 200 GB/s a direction)")
+    p.add_argument("--latency-us", type=float, default=15.0, help="fixed cost of one collective (assumed)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    if not 0 < a.efficiency <= 1:
+        raise SystemExit(f"--efficiency must be in (0, 1], got {a.efficiency}")
+    results = []
+    print("A MODEL (scripts/project_node.py): per-rank compute measured on one H200, exchange from bytes / "
+          "assumed bandwidth.\n")
+    for model in a.model.split(","):
+        if model not in MEASURED:
+            raise SystemExit(f"--model: unknown {model!r}; choose from {sorted(MEASURED)}")
+        m = MEASURED[model]
+        cs = a.concurrency or ("1024,2048,4096" if model == "v3" else "256")
+        print(f"== {model}: {m['preset']}, {m['full_layers']} layers ({m['moe_layers']} MoE); measured per-rank "
+              f"steps: " + "; ".join(f"T={t}: {s * 1e3:.2f} ms ({n} layers, {src})"
+                                     for t, (s, n, src) in m["points"].items()))
+        print(f"   to beat: {m['targets']}")
+        for link in a.link.split(","):
+            if link not in LINKS:
+                raise SystemExit(f"--link: unknown {link!r}; choose from {sorted(LINKS)}")
+            print(f"   link {link}: {LINKS[link][1]}, x {a.efficiency} efficiency, {a.latency_us} us a collective")
+            print(f"   {'C':>5} {'T/rank':>6} {'compute':>9} {'exchange':>30} {'no DBO':>16} {'DBO (bound)':>16}")
+            for C in (int(c) for c in cs.split(",")):
+                r = project(model, C, link, a.efficiency, a.latency_us * 1e-6)
+                results.append(r)
+                for name, v in r["variants"].items():
+                    print(f"   {C:>5} {r['tokens_per_rank']:>6.0f} {r['compute_s'] * 1e3:>7.1f}ms "
+                          f"{name:>22} {v['exchange_s'] * 1e3:>5.1f}ms {v['tok_s']:>9,.0f} tok/s {v['tok_s_dbo']:>9,.0f} tok/s")
+            print()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "links": LINKS, "dbo_cost": DBO_COST, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
