@@ -172,8 +172,10 @@ class BlockManager:
         """Registers the sequence's full blocks whose latents are now all in the cache."""
         if not self.enable_prefix_caching:
             return
-        pool = self.pools[seq.dp_rank]
         full = min(seq.num_cached_tokens, len(seq)) // self.block_size
+        if full <= seq.num_keyed_blocks:  # no block filled since: the common decode step (host time at c1024)
+            return
+        pool = self.pools[seq.dp_rank]
         keys = self._keys(seq, full)
         for i in range(seq.num_keyed_blocks, full):
             b = seq.block_table[i]
