@@ -85,3 +85,55 @@ def test_dbo_layout_fields(tmp_path):
         p.write_text(text)
         with pytest.raises(ValueError, match=field):
             ParallelConfig.load(str(p))
+
+
+def _script(name):
+    import importlib
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    return importlib.import_module(name)
+
+
+def test_schedule_report_finds_kernels_inside_an_all_to_all():
+    """scripts/dbo_schedule.py's reading of a scheduled module: the kernels between each asynchronous
+    all-to-all's start and its done, in schedule order, by their JAX op names."""
+    hlo = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %all-to-all-start = (f32[8]{0}, f32[8]{0}) all-to-all-start(f32[8]{0} %p), replica_groups={}
+  %fusion.1 = f32[8]{0} fusion(f32[8]{0} %p), kind=kLoop, calls=%f1, metadata={op_name="jit(step)/layers_1/experts/moe_gate_up/pallas_call"}
+  %custom-call.2 = f32[8]{0} custom-call(f32[8]{0} %fusion.1), custom_call_target="x", metadata={op_name="jit(step)/layers_1/experts/moe_down/pallas_call"}
+  %all-to-all-done = f32[8]{0} all-to-all-done((f32[8]{0}, f32[8]{0}) %all-to-all-start)
+  %all-to-all.3 = f32[8]{0} all-to-all(f32[8]{0} %all-to-all-done), replica_groups={}
+  ROOT %add = f32[8]{0} add(f32[8]{0} %all-to-all.3, f32[8]{0} %custom-call.2)
+}
+"""
+    ds = _script("dbo_schedule")
+    (pair,) = ds.overlap_report(hlo)
+    assert pair["start"] == "all-to-all-start" and pair["kernels_between"] == 2
+    assert pair["between"] == ["experts/moe_gate_up/pallas_call", "experts/moe_down/pallas_call"]
+    assert ds.count_a2a(hlo) == {"sync": 1, "async": 1}
+
+
+def test_node_projection_is_consistent(tmp_path):
+    """scripts/project_node.py (a model): tokens/s = concurrency / step; fewer bytes never make a slower
+    node; DBO's bound is max(compute x (1 + cost), exchange); bad input is refused by name."""
+    import json
+    pn = _script("project_node")
+    out = tmp_path / "p.json"
+    assert pn.main(["--model", "v3,step3", "--concurrency", "4096", "--link", "h200", "--json", str(out)]) == 0
+    res = json.load(open(out))["results"]
+    assert {r["model"] for r in res} == {"v3", "step3"}
+    for r in res:
+        v = list(r["variants"].values())
+        assert [x["exchange_s"] for x in v] == sorted((x["exchange_s"] for x in v), reverse=True)
+        for x in v:
+            assert x["tok_s"] == pytest.approx(r["concurrency"] / (r["compute_s"] + x["exchange_s"]))
+            assert x["step_dbo_s"] == pytest.approx(max(r["compute_s"] * (1 + r["dbo_cost"]), x["exchange_s"]))
+    assert 0 < pn.expected_remote_ranks(pn.MEASURED["v3"], 8) <= 3.5
+    with pytest.raises(SystemExit, match="efficiency"):
+        pn.main(["--efficiency", "0"])
+    with pytest.raises(SystemExit, match="--link"):
+        pn.main(["--link", "pcie"])
