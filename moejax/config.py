@@ -18,6 +18,7 @@ from moejax.kernel_selection import KERNEL_MODES, SHARED_FUSION
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.kv_quant import KV_CACHE_DTYPES
 from moejax.models.registry import family_of
+from moejax.parallel import ffi_library
 from moejax.parallel.config import ParallelConfig
 from moejax.parallel.dispatch import ExpertParallel
 from moejax.parallel.sharding import AXIS
@@ -129,8 +130,7 @@ class EngineConfig:
                 raise ValueError("moe_backend 'ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU does not "
                                  "implement; use 'a2a' or 'replicated' on CPU")
             if parallel.moe_backend == "ffi":
-                from moejax.parallel import ffi_library  # only this backend loads the extension
-                try:
+                try:  # only this backend loads the extension
                     ffi_library.require()
                 except ffi_library.FfiUnavailable as e:
                     raise ValueError(str(e)) from None

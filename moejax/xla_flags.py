@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import warnings
 
+from jax._src import xla_bridge  # whether a backend exists (no public API); importing jax starts none
+
 FLAGS = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
     "xla_gpu_experimental_parallel_collective_overlap_limit": "2",
@@ -28,11 +30,7 @@ def set_xla_flags(env=os.environ) -> list[str]:
     added = [f"--{k}={v}" for k, v in FLAGS.items() if k not in have]
     if not added:
         return []
-    try:
-        from jax._src import xla_bridge
-        started = bool(xla_bridge._backends)
-    except (ImportError, AttributeError):
-        started = False
+    started = bool(getattr(xla_bridge, "_backends", None))
     if started:
         warnings.warn(f"JAX's backends already exist, so XLA will not see {added}: import moejax before running "
                       "any JAX computation (or set them in XLA_FLAGS)", stacklevel=2)

@@ -212,7 +212,8 @@ def test_wheel_and_editable_install_in_fresh_venv(tmp_path):
     assert {f"moejax/configs/{f}" for f in shipped} <= set(r["dist_files"])
     assert r["shipped"] == [f[:-5] for f in shipped]
     assert r["dp2"] == dict(name="dp2-ep2", data_parallel_size=2, expert_parallel_size=2, moe_backend="a2a",
-                            num_redundant_experts=0, eplb_interval=0, eplb_window=1000)
+                            num_redundant_experts=0, eplb_interval=0, eplb_window=1000, dbo="off",
+                            dbo_decode_min_tokens=64, dbo_prefill_min_tokens=512)
     assert r["example"] == dict(name=EXAMPLE, **{k: v for k, v in ParallelConfig.load(EXAMPLE).__dict__.items()
                                                   if k != "name"})
     # the FFI extension (ffi/) is built into the wheel where a C++ compiler is found, and loads from the install

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.layers.experts import SharedWeights, grouped_expert_mlp
+from moejax.parallel import ffi_ops  # the extension itself is loaded only when the ffi backend is chosen
 
 BACKENDS = ("a2a", "ragged", "replicated", "ffi")
 
@@ -199,7 +200,6 @@ def ragged(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ran
 
 def ffi(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int, shared=None):
     """As ``a2a``, with dispatch and combine as the FFI extension's custom calls (moejax/parallel/ffi_ops.py)."""
-    from moejax.parallel import ffi_ops  # only this backend needs the extension (loaded there)
     E_loc = w.num_experts
     me = jax.lax.axis_index(axis)
     s = jnp.where(valid[:, None], physical_slots(topk_idx, slots, replicas, me), -1)  # padding goes nowhere

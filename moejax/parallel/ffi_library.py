@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import jax
+from jax._src import distributed  # the key-value store jax.distributed.initialize starts (no public API)
 
 from moejax import kernel_selection
 
@@ -83,7 +84,6 @@ def _init_mori_shmem(lib) -> None:
         if lib.MoejaxMoriUniqueId(uid, error, len(error)):
             raise FfiUnavailable(f"MoRI: {error.value.decode()}")
     if n > 1:
-        from jax._src import distributed  # the store jax.distributed.initialize started
         client = distributed.global_state.client
         if rank == 0:
             client.key_value_set_bytes(MORI_UID_KEY, bytes(uid))

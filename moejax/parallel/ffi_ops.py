@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax._src import source_info_util  # JAX has no public reader of the name stack
 
 from moejax.parallel import ffi_library
 from moejax.parallel.ffi_library import COMBINE_TARGET, DISPATCH_TARGET
@@ -29,7 +30,6 @@ def _op_id(kind: str) -> int:
     so a program's HLO does not depend on the order this process traced its calls (the persistent
     compilation cache hits across processes); outside any named scope, a fresh counter value."""
     try:
-        from jax._src import source_info_util  # JAX has no public reader of the name stack
         scope = str(source_info_util.current_name_stack())
     except (ImportError, AttributeError):
         scope = ""
