@@ -77,6 +77,8 @@ class Server:
             if code == 0 and not await self._wait_inflight(self.shutdown_timeout):
                 self.state.fail_inflight(f"the server is shutting down (requests still running after the "
                                          f"{self.shutdown_timeout:g} s grace period were aborted)", 503)
+            if code == 1 and self.state.inflight:  # the engine was declared dead from outside its thread
+                self.state.fail_inflight(f"the engine died: {self.aengine.error}", 503)
             await self._wait_inflight(FLUSH_S)
         finally:
             for t in (stop_task, dead_task):
