@@ -161,7 +161,9 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     """
     if not isinstance(path, str) or not os.path.isdir(path):
         raise ValueError(f"path {path!r} is not a directory")
-    processes.initialize_from_env()  # a multi-process job (python -m moejax.launch): join it first
+    if processes.initialize_from_env() and parallel is None:  # a job of python -m moejax.launch: joined
+        raise ValueError(f"parallel: this is one of {processes.count()} processes; name a layout whose mesh spans "
+                         "them (e.g. dp8-ep8), or run one process")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"{path} has no config.json")

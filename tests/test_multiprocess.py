@@ -192,9 +192,10 @@ def test_two_process_server(job, layout):
         victim = _child_with_process_id(proc.pid, 1)
         os.kill(victim, signal.SIGKILL)
         t0 = time.monotonic()
-        while _health(base) == 200:
+        while (health := _health(base)) == 200:
             assert time.monotonic() - t0 < DETECT_BOUND_S, "the server still reports healthy"
             time.sleep(0.1)
+        assert health == 503  # before the listener closes (lifecycle.DEAD_REPORT_S)
         code = proc.wait(timeout=DETECT_BOUND_S + 20)
         assert code != 0, _output(proc)
         assert time.monotonic() - t0 < DETECT_BOUND_S + 20
