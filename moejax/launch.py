@@ -12,7 +12,7 @@ Several hosts (JAX's multi-controller form: one coordinator address, process ids
 hosts, process 0 on the coordinator's host): the same command on every host, with
 ``--nnodes H --node-rank R --coordinator HOST0:PORT``; host R runs processes R*nproc .. R*nproc+nproc-1.
 
-The launcher watches its children: SIGTERM / SIGINT go to process 0 (the server drains, then tells
+The launcher watches its children (and they die with it, on Linux): SIGTERM / SIGINT go to process 0 (the server drains, then tells
 the others to stop); once a child exits with an error the others get ``--grace`` seconds to exit on
 their own (process 0 reports a dead peer and stops) and are then killed. The exit status is the
 first non-zero one of the children (128 + N for a child killed by signal N), else 0.
@@ -100,6 +100,16 @@ def child_env(base: dict, a: argparse.Namespace, coordinator: str, local_rank: i
     return env
 
 
+def _die_with_parent() -> None:
+    """In a child, before exec: Linux sends it SIGKILL if the launcher dies (killed, so it cannot kill
+    its children itself), so no process of the job outlives it. Elsewhere: nothing."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def supervise(procs: list[subprocess.Popen], grace: float) -> int:
     """Waits for every child; after the first failure, kills those still running past ``grace``."""
     first_error, failed_at = 0, None
@@ -131,8 +141,8 @@ def main(argv=None) -> int:
         print(f"moejax.launch: {e}", file=sys.stderr)
         return 2
     coordinator = a.coordinator or f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, *command], env=child_env(os.environ, a, coordinator, i))
-             for i in range(a.nproc)]
+    procs = [subprocess.Popen([sys.executable, *command], env=child_env(os.environ, a, coordinator, i),
+                              preexec_fn=_die_with_parent) for i in range(a.nproc)]
     leader = procs[0] if a.node_rank == 0 else None  # process 0 is this host's first, on host 0
 
     def forward(sig, _frame):  # the graceful stop goes to the front end; it stops the others

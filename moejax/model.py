@@ -218,13 +218,14 @@ def save(model: Model, directory: str) -> None:
     directory) and process 0 writes the other files."""
     os.makedirs(directory, exist_ok=True)
     save_params(_logical_params(model), directory)
-    if not processes.is_leader():
-        return
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(model.hf_config, f, indent=2)
-    for fn in _TOKENIZER_FILES:
-        src = os.path.join(model.source_dir, fn)
-        if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(directory, fn)):
-            shutil.copy(src, os.path.join(directory, fn))
-    with open(os.path.join(directory, MARKER), "w") as f:
-        json.dump({"format_version": FORMAT_VERSION, "dtype": model.dtype, "fp8_layers": sorted(model.config.fp8.kinds)}, f)
+    if processes.is_leader():
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(model.hf_config, f, indent=2)
+        for fn in _TOKENIZER_FILES:
+            src = os.path.join(model.source_dir, fn)
+            if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(directory, fn)):
+                shutil.copy(src, os.path.join(directory, fn))
+        with open(os.path.join(directory, MARKER), "w") as f:
+            json.dump({"format_version": FORMAT_VERSION, "dtype": model.dtype,
+                       "fp8_layers": sorted(model.config.fp8.kinds)}, f)
+    processes.barrier("moejax.save")  # no process returns (and may load it) before the files are written

@@ -21,7 +21,6 @@ import jax
 import numpy as np
 import pytest
 
-import moejax
 from moejax.launch import build_parser, check_args, child_env
 from moejax.parallel import processes
 from moejax.parallel.sharding import make_mesh
@@ -56,7 +55,8 @@ def job(tmp_path_factory):
         Path(layouts[name]).write_text(f"data_parallel_size: 8\nexpert_parallel_size: 8\n{extra}")
     rng = np.random.default_rng()
     spec = {"layouts": layouts, "max_new_tokens": 6, "save_layout": "a2a",
-            "prompts": [rng.integers(2, 300, size=int(rng.integers(3, 20))).tolist() for _ in range(10)],
+            # one prompt per rank: the server's one request runs the same (batch 1) programs, compiled once
+            "prompts": [rng.integers(2, 300, size=int(rng.integers(3, 20))).tolist() for _ in range(8)],
             "score_ids": rng.integers(2, 300, size=(8, 12)).tolist()}
     return d, ckpt, spec
 
@@ -72,14 +72,34 @@ def _launch(log: Path, *args):
     reads while the test waits could fill and block them)."""
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "moejax.launch", "--nproc", "2", "--devices-per-process", "4",
-                                 *args], cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+                                 *args], cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group: _kill ends the whole job
     proc.log = log
     return proc
+
+
+def _kill(proc) -> None:
+    """The launcher and its children, whatever state they are in."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _output(proc) -> str:
     text = proc.log.read_text(errors="replace")
     return "\n".join(line for line in text.splitlines() if "[Gloo]" not in line)[-6000:]
+
+
+_REFERENCE = {}
+
+
+def _reference(job) -> dict:
+    """1 process x 8 devices (this one): what tests/multiprocess_generate.py computes, once per module."""
+    if not _REFERENCE:
+        _REFERENCE.update(multiprocess_generate.run(job[1], dict(job[2], save_layout=None)))
+    return _REFERENCE
 
 
 def _assert_same_generation(got, want, tol):
@@ -92,18 +112,18 @@ def _assert_same_generation(got, want, tol):
 
 
 def test_two_processes_generate_like_one(job):
-    """2 x 4 devices: the same greedy tokens (6 steps, 10 prompts), logprobs and top-2 (a2a: equal;
+    """2 x 4 devices: the same greedy tokens (6 steps, 8 prompts), logprobs and top-2 (a2a: equal;
     replicated: 1e-5, gloo's psum adds in another order), score logits, EPLB's rebalances, window and
     placements (a2a), and the tokens of an orbax save loaded back, as 1 x 8 devices."""
     d, ckpt, spec = job
     two = dict(spec, save_dir=str(d / "saved2"))
     (d / "spec2.json").write_text(json.dumps(two))
     proc = _launch(d / "generate.log", "--", "tests/multiprocess_generate.py", ckpt, str(d / "spec2.json"), str(d / "out2.json"))
-    want = multiprocess_generate.run(ckpt, dict(spec, save_layout=None))  # meanwhile, here
+    want = _reference(job)  # meanwhile, here
     try:
         proc.wait(timeout=240)
     finally:
-        proc.kill()
+        _kill(proc)
     assert proc.returncode == 0, _output(proc)
     out = json.loads((d / "out2.json").read_text())
     assert out["processes"] == 2
@@ -170,20 +190,18 @@ def _complete(base, job, i):
 @pytest.mark.parametrize("layout", ["a2a", "replicated"])
 def test_two_process_server(job, layout):
     """scripts/serve.py over 2 x 4 devices: a request through process 0's front end samples what 1 x 8
-    devices' generate samples (logprobs 1e-5: the request runs alone here); then a2a: a killed worker
+    devices' generate samples (logprobs 1e-5: the request runs alone here, batched there); then a2a: a killed worker
     makes /health fail within the peer timeout and the job exit non-zero; replicated: SIGTERM to the
     launcher stops every process cleanly (exit 0)."""
     d, ckpt, spec = job
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = _serve(job, layout, port)
-    try:  # the reference here while the server starts
-        ref = moejax.generate(moejax.load(ckpt, dtype="float32", parallel=spec["layouts"][layout], max_model_len=96,
-                                          max_num_seqs=4, num_kv_blocks=24, progress=False),
-                              spec["prompts"][:1], max_new_tokens=6, ignore_eos=True, logprobs=True)[0]
+    try:
+        ref = _reference(job)[layout]  # computed while the server starts, unless the generate test did
         _wait_healthy(proc, base)
         lps, body = _complete(base, job, 0)
-        np.testing.assert_allclose(lps, ref.logprobs, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(lps, ref["logprobs"][0], rtol=0, atol=1e-5)
         assert body["usage"]["completion_tokens"] == 6
         if layout == "replicated":
             proc.send_signal(signal.SIGTERM)
@@ -201,9 +219,7 @@ def test_two_process_server(job, layout):
         assert time.monotonic() - t0 < DETECT_BOUND_S + 20
         assert "process 1 of 2 stopped responding" in _output(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill(proc)
 
 
 def test_launcher_and_layout_errors_name_the_field(monkeypatch):

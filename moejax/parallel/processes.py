@@ -31,9 +31,9 @@ NUM_PROCESSES_ENV = "MOEJAX_NUM_PROCESSES"
 PROCESS_ID_ENV = "MOEJAX_PROCESS_ID"
 HEARTBEAT_ENV = "MOEJAX_HEARTBEAT_TIMEOUT_S"
 DEFAULT_HEARTBEAT_S = 30
-# Process 0 exits this soon when shutting down if another process is gone (JAX's default, 300 s, would
-# keep it waiting at the shutdown barrier for a process that never comes).
-SHUTDOWN_TIMEOUT_S = 10
+# How long a process exiting waits at JAX's shutdown barrier for the others (JAX's default is 300 s).
+# Not the bound on a failure: a server whose peer died exits without the barrier (scripts/serve.py).
+SHUTDOWN_TIMEOUT_S = 120
 
 
 def _env_int(name: str, lo: int) -> int | None:
@@ -95,6 +95,13 @@ def to_host(tree):
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def barrier(name: str) -> None:
+    """Every process waits here for the others (e.g. until process 0 has written a file they read)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
 
 
 def agree_min(n: int) -> int:
