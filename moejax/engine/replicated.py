@@ -55,12 +55,11 @@ class LeaderEngine:
         self._channel.send(calls)
 
 
-def follow(engine: LLMEngine, channel: StepChannel, alive=lambda: True) -> None:
-    """A process other than 0: replays process 0's engine calls until it says stop (or ``alive()``
-    turns false while waiting for a message)."""
+def follow(engine: LLMEngine, channel: StepChannel) -> None:
+    """A process other than 0: replays process 0's engine calls until it says stop."""
     seqs = {}  # process 0's seq_id -> this engine's Sequence
     while True:
-        for call in channel.receive(alive):
+        for call in channel.receive():
             op = call[0]
             if op == "add":
                 _, prompt_ids, params, request_id, leader_id = call
