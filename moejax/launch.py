@@ -29,7 +29,12 @@ import subprocess
 import sys
 import time
 
-from moejax.parallel.processes import COORDINATOR_ENV, HEARTBEAT_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from moejax.parallel.processes import (
+    COORDINATOR_ENV,
+    HEARTBEAT_ENV,
+    NUM_PROCESSES_ENV,
+    PROCESS_ID_ENV,
+)
 
 POLL_S = 0.1
 _HOST_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -142,7 +147,8 @@ def main(argv=None) -> int:
         return 2
     coordinator = a.coordinator or f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, *command], env=child_env(os.environ, a, coordinator, i),
-                              preexec_fn=_die_with_parent) for i in range(a.nproc)]
+                              preexec_fn=_die_with_parent)  # noqa: PLW1509 - the launcher has no threads
+             for i in range(a.nproc)]
     leader = procs[0] if a.node_rank == 0 else None  # process 0 is this host's first, on host 0
 
     def forward(sig, _frame):  # the graceful stop goes to the front end; it stops the others

@@ -13,8 +13,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import moejax  # noqa: E402
-from moejax.parallel import processes  # noqa: E402
+import moejax
+from moejax.parallel import processes
 
 
 def _load(path, layout):

@@ -4,7 +4,9 @@ started by ``python -m moejax.launch``, against this process's 8 devices.
 - generate (a2a backend with EPLB rebalancing, and the replicated backend), score logits and an orbax
   save/load round trip give what 1 process x 8 devices gives: tests/multiprocess_generate.py;
 - scripts/serve.py: a request through process 0's front end gives the same tokens; SIGTERM stops every
-  process (exit 0); a killed worker makes /health fail and the server exit non-zero in bounded time.
+  process (exit 0); a killed worker makes /health fail and the server exit non-zero in bounded time;
+- the server's replay (process 0's engine calls on another engine) in this one process, and the
+  launcher's, the environment's and the layout's errors.
 """
 
 import json
@@ -21,6 +23,9 @@ import jax
 import numpy as np
 import pytest
 
+import moejax
+from moejax.engine.replicated import LeaderEngine, follow
+from moejax.engine.sampling_params import SamplingParams
 from moejax.launch import build_parser, check_args, child_env
 from moejax.parallel import processes
 from moejax.parallel.sharding import make_mesh
@@ -30,7 +35,7 @@ from moejax.tiny.presets import preset
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-import multiprocess_generate  # noqa: E402
+import multiprocess_generate
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (host) devices")
 
@@ -193,7 +198,6 @@ def test_two_process_server(job, layout):
     devices' generate samples (logprobs 1e-5: the request runs alone here, batched there); then a2a: a killed worker
     makes /health fail within the peer timeout and the job exit non-zero; replicated: SIGTERM to the
     launcher stops every process cleanly (exit 0)."""
-    d, ckpt, spec = job
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = _serve(job, layout, port)
@@ -262,3 +266,44 @@ def test_launcher_and_layout_errors_name_the_field(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 3)
     with pytest.raises(ValueError, match="data_parallel_size 8 is not divisible by the 3 processes"):
         make_mesh(8)
+
+
+class _ListChannel:
+    """StepChannel's interface over a list: process 0's messages, replayed later in this process."""
+
+    def __init__(self):
+        self.messages = []
+
+    def send(self, message):
+        self.messages.append(message)
+
+    def receive(self):
+        return self.messages.pop(0)
+
+
+def test_follower_replays_the_leaders_calls(job):
+    """LeaderEngine forwards add_request (with the seed the engine drew), abort and step; ``follow`` replays
+    them on another engine, which then holds the same sequences: the same sampled tokens (temperature 1,
+    seeds drawn by the leader's engine), the same aborted one, and nothing left running."""
+    def engine():
+        return moejax.load(job[1], dtype="float32", max_model_len=96, max_num_seqs=4, num_kv_blocks=24,
+                           progress=False).engine
+    channel = _ListChannel()
+    leader = LeaderEngine(engine(), channel)
+    sp = SamplingParams(max_new_tokens=5, temperature=1.0, ignore_eos=True)
+    seqs = [leader.add_request(p, sp) for p in job[2]["prompts"][:3]]
+    leader.step(), leader.step()
+    leader.abort(seqs[1])
+    while leader.has_unfinished():
+        leader.step()
+    leader.stop_followers()
+
+    follower = engine()
+    replayed = []
+    add = follower.add_request
+    follower.add_request = lambda *a: replayed.append(add(*a)) or replayed[-1]  # keeps what follow() adds
+    follow(follower, channel)
+    assert not channel.messages and not follower.has_unfinished()
+    assert [s.seed for s in replayed] == [s.seed for s in seqs]
+    assert [s.token_ids for s in replayed] == [s.token_ids for s in seqs]
+    assert [s.finish_reason for s in replayed] == [s.finish_reason for s in seqs] == ["length", "abort", "length"]

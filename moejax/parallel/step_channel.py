@@ -41,7 +41,7 @@ class StepChannel:
             try:
                 data = self.client.blocking_key_value_get_bytes(key, POLL_MS)
                 break
-            except Exception as e:  # noqa: BLE001 - the client raises its own XlaRuntimeError
+            except Exception as e:  # the client raises its own XlaRuntimeError
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise
         self.received += 1
