@@ -58,12 +58,22 @@ class ParamPlacer:
         slots = np.concatenate([np.arange(r * per_rank, (r + 1) * per_rank) for r in self._local_ranks])
         return set(p.logical_of_slot[slots].tolist())
 
+    def restore_shardings(self, abstract):
+        """Where orbax should restore a saved (logical-order) pytree straight to: each leaf's own sharding,
+        so each process reads only its own shards; None (restore to host memory, then place) when there
+        is no mesh, or when redundant slots make the slot order differ from the saved logical order."""
+        if self.mesh is None or self._slots:
+            return None
+        return unflatten({path: NamedSharding(self.mesh, spec(*param_logical_axes(path))) for path in flatten(abstract)})
+
     def __call__(self, path: tuple[str, ...], arr):
         src = self._slots.get(path[:-1])  # every leaf of an experts module has the slot axis first
         if self.mesh is None:
             return jax.device_put(arr if src is None else np.asarray(arr)[src])
         shape = np.shape(arr) if src is None else (len(src), *np.shape(arr)[1:])
         sharding = NamedSharding(self.mesh, spec(*param_logical_axes(path)))
+        if isinstance(arr, jax.Array) and src is None:  # restored in place (restore_shardings): kept as it is
+            return jax.device_put(arr, sharding)
 
         def shard(index):  # the part of the (slot-ordered) leaf one of this process's devices holds
             if src is None:
@@ -187,7 +197,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
         if saved_fp8.kinds != config.fp8.kinds:
             raise ValueError(f"{path} was saved with FP8 layers {sorted(saved_fp8.kinds)}; load it with the same "
                              f"weight_dtype/fp8_layers (this load asks for {sorted(config.fp8.kinds)})")
-        params = restore_params(path, abstract_params(config.model, saved["dtype"], saved_fp8))
+        abstract = abstract_params(config.model, saved["dtype"], saved_fp8)
+        params = restore_params(path, abstract, placer.restore_shardings(abstract))
         if saved["dtype"] != dtype:  # the router stays float32 and FP8 stays FP8 whatever the model dtype
             params = jax.tree.map(lambda a, t: a.astype(t.dtype), params,
                                   abstract_params(config.model, dtype, config.fp8))

@@ -39,7 +39,7 @@ def run(path: str, spec: dict) -> dict:
         r["rebalances"] = bal.num_rebalances
         r["placements"] = {"/".join(k): p.logical_of_slot.tolist() for k, p in bal.placements.items()}
         r["window_load"] = bal.window_load().tolist()
-        if name == spec.get("save_layout"):  # orbax: every process writes its shards, then reads them back
+        if name in spec.get("save_layouts", ()):  # orbax: every process writes its shards, then reads them back
             saved = os.path.join(spec["save_dir"], name)
             moejax.save(model, saved)
             r["reloaded"] = _generate(_load(saved, layout), spec)

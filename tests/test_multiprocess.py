@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import moejax
+from moejax.engine.llm_engine import LLMEngine
 from moejax.engine.replicated import LeaderEngine, follow
 from moejax.engine.sampling_params import SamplingParams
 from moejax.launch import build_parser, check_args, child_env
@@ -59,7 +60,7 @@ def job(tmp_path_factory):
         layouts[name] = str(d / f"{name}.yaml")
         Path(layouts[name]).write_text(f"data_parallel_size: 8\nexpert_parallel_size: 8\n{extra}")
     rng = np.random.default_rng()
-    spec = {"layouts": layouts, "max_new_tokens": 6, "save_layout": "a2a",
+    spec = {"layouts": layouts, "max_new_tokens": 6,
             # one prompt per rank: the server's one request runs the same (batch 1) programs, compiled once
             "prompts": [rng.integers(2, 300, size=int(rng.integers(3, 20))).tolist() for _ in range(8)],
             "score_ids": rng.integers(2, 300, size=(8, 12)).tolist()}
@@ -103,7 +104,7 @@ _REFERENCE = {}
 def _reference(job) -> dict:
     """1 process x 8 devices (this one): what tests/multiprocess_generate.py computes, once per module."""
     if not _REFERENCE:
-        _REFERENCE.update(multiprocess_generate.run(job[1], dict(job[2], save_layout=None)))
+        _REFERENCE.update(multiprocess_generate.run(job[1], job[2]))
     return _REFERENCE
 
 
@@ -119,9 +120,10 @@ def _assert_same_generation(got, want, tol):
 def test_two_processes_generate_like_one(job):
     """2 x 4 devices: the same greedy tokens (6 steps, 8 prompts), logprobs and top-2 (a2a: equal;
     replicated: 1e-5, gloo's psum adds in another order), score logits, EPLB's rebalances, window and
-    placements (a2a), and the tokens of an orbax save loaded back, as 1 x 8 devices."""
+    placements (a2a), and the tokens of orbax saves loaded back (both layouts), as 1 x 8 devices."""
     d, ckpt, spec = job
-    two = dict(spec, save_dir=str(d / "saved2"))
+    # a2a's redundant slots: restored to host memory, then placed; replicated: restored shard by shard
+    two = dict(spec, save_dir=str(d / "saved2"), save_layouts=["a2a", "replicated"])
     (d / "spec2.json").write_text(json.dumps(two))
     proc = _launch(d / "generate.log", "--", "tests/multiprocess_generate.py", ckpt, str(d / "spec2.json"), str(d / "out2.json"))
     want = _reference(job)  # meanwhile, here
@@ -139,7 +141,8 @@ def test_two_processes_generate_like_one(job):
         assert got["rebalances"] == ref["rebalances"] and got["placements"] == ref["placements"]
         np.testing.assert_array_equal(got["window_load"], ref["window_load"])
     assert want["a2a"]["rebalances"] >= 1  # the layout moved experts during the run
-    _assert_same_generation(out["results"]["a2a"]["reloaded"], want["a2a"], 0.0)
+    for name, tol in (("a2a", 0.0), ("replicated", 1e-5)):
+        _assert_same_generation(out["results"][name]["reloaded"], want[name], tol)
 
 
 def _get(url, body=None, timeout=60):
@@ -285,11 +288,9 @@ def test_follower_replays_the_leaders_calls(job):
     """LeaderEngine forwards add_request (with the seed the engine drew), abort and step; ``follow`` replays
     them on another engine, which then holds the same sequences: the same sampled tokens (temperature 1,
     seeds drawn by the leader's engine), the same aborted one, and nothing left running."""
-    def engine():
-        return moejax.load(job[1], dtype="float32", max_model_len=96, max_num_seqs=4, num_kv_blocks=24,
-                           progress=False).engine
+    model = moejax.load(job[1], dtype="float32", max_model_len=96, max_num_seqs=4, num_kv_blocks=24, progress=False)
     channel = _ListChannel()
-    leader = LeaderEngine(engine(), channel)
+    leader = LeaderEngine(model.engine, channel)
     sp = SamplingParams(max_new_tokens=5, temperature=1.0, ignore_eos=True)
     seqs = [leader.add_request(p, sp) for p in job[2]["prompts"][:3]]
     leader.step(), leader.step()
@@ -298,7 +299,9 @@ def test_follower_replays_the_leaders_calls(job):
         leader.step()
     leader.stop_followers()
 
-    follower = engine()
+    # A second engine (its own scheduler, blocks and sequences) on the same runner: the leader is done with it.
+    base = model.engine
+    follower = LLMEngine(model.config, base.runner, model.tokenizer, tuple(base.eos_token_ids), base.balancer)
     replayed = []
     add = follower.add_request
     follower.add_request = lambda *a: replayed.append(add(*a)) or replayed[-1]  # keeps what follow() adds
