@@ -25,7 +25,7 @@ import pytest
 
 import moejax
 from moejax.engine.llm_engine import LLMEngine
-from moejax.engine.replicated import LeaderEngine, follow
+from moejax.engine.replicated import LeaderEngine, follow, state_digest
 from moejax.engine.sampling_params import SamplingParams
 from moejax.launch import build_parser, check_args, child_env
 from moejax.parallel import processes
@@ -287,7 +287,8 @@ class _ListChannel:
 def test_follower_replays_the_leaders_calls(job):
     """LeaderEngine forwards add_request (with the seed the engine drew), abort and step; ``follow`` replays
     them on another engine, which then holds the same sequences: the same sampled tokens (temperature 1,
-    seeds drawn by the leader's engine), the same aborted one, and nothing left running."""
+    seeds drawn by the leader's engine), the same aborted one, and nothing left running; a follower
+    whose state differs from the leader's before a step raises."""
     model = moejax.load(job[1], dtype="float32", max_model_len=96, max_num_seqs=4, num_kv_blocks=24, progress=False)
     channel = _ListChannel()
     leader = LeaderEngine(model.engine, channel)
@@ -310,3 +311,9 @@ def test_follower_replays_the_leaders_calls(job):
     assert [s.seed for s in replayed] == [s.seed for s in seqs]
     assert [s.token_ids for s in replayed] == [s.token_ids for s in seqs]
     assert [s.finish_reason for s in replayed] == [s.finish_reason for s in seqs] == ["length", "abort", "length"]
+    # A follower whose engine is not in the leader's state refuses to step (it would feed the collectives
+    # other inputs): here one request the leader never sent.
+    channel.messages = [[("step", state_digest(follower))]]
+    follower.add_request([8, 9], sp)
+    with pytest.raises(RuntimeError, match="differs from process 0's"):
+        follow(follower, channel)

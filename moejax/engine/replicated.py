@@ -6,7 +6,7 @@ deterministic function of its calls (request seeds included). Process 0 alone ta
 HTTP front end). ``LeaderEngine`` is its engine: each call that changes the engine (add_request,
 abort) is applied at once and queued; ``step`` sends the queue and the step to the other processes
 (moejax/parallel/step_channel.py) before running it. ``follow`` is the other processes' loop: it
-replays each message's calls, then steps. Sampled tokens reach every process (the step's outputs
+replays each message's calls, checks that its engine is in process 0's state, then steps. Sampled tokens reach every process (the step's outputs
 are read with a collective, ModelRunner ``to_host``), so every engine appends the same tokens and
 finishes the same sequences without being told.
 """
@@ -43,7 +43,7 @@ class LeaderEngine:
         self._calls.append(("abort", seq.seq_id))
 
     def step(self):
-        self._flush(("step",))
+        self._flush(("step", state_digest(self._engine)))
         return self._engine.step()
 
     def stop_followers(self) -> None:
@@ -53,6 +53,17 @@ class LeaderEngine:
     def _flush(self, last: tuple) -> None:
         calls, self._calls = self._calls + [last], []
         self._channel.send(calls)
+
+
+def state_digest(engine: LLMEngine) -> tuple:
+    """What a follower's engine must agree on before a step (a few numbers, cheap to compare): queue
+    lengths, tokens, each sequence's rank and blocks, free blocks. A follower that differs raises
+    instead of joining the step's collectives with other inputs (garbage, or a hang)."""
+    sch = engine.scheduler
+    queues = (sch.waiting, sch.prefilling, sch.running)
+    return (tuple(len(q) for q in queues), sum(len(s) for q in queues for s in q),
+            tuple((s.dp_rank, len(s.block_table), s.num_cached_tokens) for s in [*sch.prefilling, *sch.running]),
+            engine.blocks.num_free)
 
 
 def follow(engine: LLMEngine, channel: StepChannel) -> None:
@@ -69,6 +80,10 @@ def follow(engine: LLMEngine, channel: StepChannel) -> None:
                 if seq is not None:
                     engine.abort(seq)
             elif op == "step":
+                if call[1] != state_digest(engine):
+                    raise RuntimeError(f"this process's engine differs from process 0's before a step ({call[1]} "
+                                       f"there, {state_digest(engine)} here): every process must make the same "
+                                       "engine calls in the same order")
                 try:
                     engine.step()
                 except Exception:  # noqa: BLE001 - process 0's step raised too: its aborts follow
