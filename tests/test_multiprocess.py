@@ -120,7 +120,7 @@ def _assert_same_generation(got, want, tol):
 def test_two_processes_generate_like_one(job):
     """2 x 4 devices: the same greedy tokens (6 steps, 8 prompts), logprobs and top-2 (a2a: equal;
     replicated: 1e-5, gloo's psum adds in another order), score logits, EPLB's rebalances, window and
-    placements (a2a), and the tokens of orbax saves loaded back (both layouts), as 1 x 8 devices."""
+    placements (a2a), as 1 x 8 devices; orbax saves from 2 processes load back bitwise equal."""
     d, ckpt, spec = job
     # a2a's redundant slots: restored to host memory, then placed; replicated: restored shard by shard
     two = dict(spec, save_dir=str(d / "saved2"), save_layouts=["a2a", "replicated"])
@@ -141,8 +141,8 @@ def test_two_processes_generate_like_one(job):
         assert got["rebalances"] == ref["rebalances"] and got["placements"] == ref["placements"]
         np.testing.assert_array_equal(got["window_load"], ref["window_load"])
     assert want["a2a"]["rebalances"] >= 1  # the layout moved experts during the run
-    for name, tol in (("a2a", 0.0), ("replicated", 1e-5)):
-        _assert_same_generation(out["results"][name]["reloaded"], want[name], tol)
+    assert out["results"]["a2a"]["reloaded_equal"] is True  # after EPLB moved experts; restored to host
+    assert out["results"]["replicated"]["reloaded_equal"] is True  # restored shard by shard
 
 
 def _get(url, body=None, timeout=60):
