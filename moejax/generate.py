@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from moejax.engine.sampling_params import SamplingParams
+from moejax.parallel.processes import check_same
 
 
 @dataclasses.dataclass
@@ -36,6 +37,9 @@ def generate(model, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
     results do not depend on batching. ``logprobs``: each generated token's logprob;
     ``top_logprobs`` (0-20): also the N most likely tokens of each position with theirs.
     Both are of the model's raw distribution (log-softmax of the logits).
+
+    A model whose mesh spans several processes (docs/multiprocess.md): every process makes this call
+    with the same arguments and gets the same results.
     """
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
@@ -45,6 +49,8 @@ def generate(model, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                              seed=None if seed is None else seed + i, stop=stop or [], logprobs=logprobs,
                              top_logprobs=top_logprobs, ignore_eos=ignore_eos) for i in range(len(prompts))]
     ids = [_prompt_ids(model, p, i) for i, p in enumerate(prompts)]
+    # Across processes every process runs this same call (its steps are collectives): check it is the same.
+    check_same((ids, params), "moejax.generate's prompts and sampling arguments")
     engine = model.engine
     seqs = []
     try:

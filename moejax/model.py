@@ -20,7 +20,8 @@ from moejax.json_file import load_json_file
 from moejax.kernel_selection import KernelScopedModule
 from moejax.layers.fp8_policy import Fp8Policy
 from moejax.models.registry import abstract_params, build_module, parse_model_config
-from moejax.parallel.sharding import make_mesh, param_logical_axes, spec
+from moejax.parallel import processes
+from moejax.parallel.sharding import make_mesh, param_logical_axes, put_replicated, spec
 from moejax.weights.param_tree import flatten, unflatten
 from moejax.tokenizer import Tokenizer
 from moejax.weights.loader import load_hf_params
@@ -35,21 +36,50 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 class ParamPlacer:
     """Puts parameter leaves on their devices as they are loaded: routed experts into their physical
     slots (EPLB: contiguous, plus replicas in the redundant slots), then sharded by the rules table
-    (moejax/parallel/sharding.py) over the layout's mesh, or onto the default device."""
+    (moejax/parallel/sharding.py) over the layout's mesh, or onto the default device. Each process
+    transfers only the shards of its own devices (``jax.make_array_from_callback``), and the loader
+    converts only the experts those shards hold (``experts_needed``)."""
 
     def __init__(self, config: EngineConfig):
         self.placements = initial_placements(config.model, config.num_ranks, config.num_redundant_experts)
         self.mesh = make_mesh(config.num_ranks) if config.parallel is not None else None
         self._slots = ({path: p.logical_of_slot for path, p in self.placements.items()}
                        if config.num_redundant_experts else {})
+        # The ranks whose devices are this process's (all of them in a one-process job).
+        self._local_ranks = (None if self.mesh is None or jax.process_count() == 1 else
+                             [r for r, d in enumerate(self.mesh.devices.flat) if d.process_index == jax.process_index()])
+
+    def experts_needed(self, module: tuple[str, ...]) -> set[int] | None:
+        """The logical experts of an experts module that this process's slots hold; None: all of them."""
+        p = self.placements.get(module)
+        if p is None or self._local_ranks is None:
+            return None
+        per_rank = p.num_slots // p.num_ranks
+        slots = np.concatenate([np.arange(r * per_rank, (r + 1) * per_rank) for r in self._local_ranks])
+        return set(p.logical_of_slot[slots].tolist())
+
+    def restore_shardings(self, abstract):
+        """Where orbax should restore a saved (logical-order) pytree straight to: each leaf's own sharding,
+        so each process reads only its own shards; None (restore to host memory, then place) when there
+        is no mesh, or when redundant slots make the slot order differ from the saved logical order."""
+        if self.mesh is None or self._slots:
+            return None
+        return unflatten({path: NamedSharding(self.mesh, spec(*param_logical_axes(path))) for path in flatten(abstract)})
 
     def __call__(self, path: tuple[str, ...], arr):
-        src = self._slots.get(path[:-1])
-        if src is not None:  # every leaf of an experts module has the slot axis first
-            arr = np.asarray(arr)[src]
+        src = self._slots.get(path[:-1])  # every leaf of an experts module has the slot axis first
         if self.mesh is None:
-            return jax.device_put(arr)
-        return jax.device_put(arr, NamedSharding(self.mesh, spec(*param_logical_axes(path))))
+            return jax.device_put(arr if src is None else np.asarray(arr)[src])
+        shape = np.shape(arr) if src is None else (len(src), *np.shape(arr)[1:])
+        sharding = NamedSharding(self.mesh, spec(*param_logical_axes(path)))
+        if isinstance(arr, jax.Array) and src is None:  # restored in place (restore_shardings): kept as it is
+            return jax.device_put(arr, sharding)
+
+        def shard(index):  # the part of the (slot-ordered) leaf one of this process's devices holds
+            if src is None:
+                return np.asarray(arr[index])
+            return np.asarray(arr[src[index[0]]][(slice(None), *index[1:])])
+        return jax.make_array_from_callback(shape, sharding, shard)
 
     def tree(self, params):
         return unflatten({path: self(path, a) for path, a in flatten(params).items()})
@@ -64,7 +94,7 @@ class Model:
         self.config, self.hf_config = config, hf_config
         self.tokenizer, self.source_dir = tokenizer, source_dir
         self.params, self.placements, self.mesh = params, placer.placements, placer.mesh
-        self.routing = jax.device_put(routing_tree(self.placements, 1 + config.num_redundant_experts))
+        self.routing = put_replicated(routing_tree(self.placements, 1 + config.num_redundant_experts), self.mesh)
         # Pallas or XLA kernels, picked at trace time (moejax/kernel_selection.py).
         self.module = KernelScopedModule(build_module(config.model, config.dtype, config.expert_parallel, config.fp8),
                                          config.kernels, config.fuse_shared_experts)
@@ -141,6 +171,9 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     """
     if not isinstance(path, str) or not os.path.isdir(path):
         raise ValueError(f"path {path!r} is not a directory")
+    if processes.initialize_from_env() and parallel is None:  # a job of python -m moejax.launch: joined
+        raise ValueError(f"parallel: this is one of {processes.count()} processes; name a layout whose mesh spans "
+                         "them (e.g. dp8-ep8), or run one process")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"{path} has no config.json")
@@ -164,13 +197,15 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
         if saved_fp8.kinds != config.fp8.kinds:
             raise ValueError(f"{path} was saved with FP8 layers {sorted(saved_fp8.kinds)}; load it with the same "
                              f"weight_dtype/fp8_layers (this load asks for {sorted(config.fp8.kinds)})")
-        params = restore_params(path, abstract_params(config.model, saved["dtype"], saved_fp8))
+        abstract = abstract_params(config.model, saved["dtype"], saved_fp8)
+        params = restore_params(path, abstract, placer.restore_shardings(abstract))
         if saved["dtype"] != dtype:  # the router stays float32 and FP8 stays FP8 whatever the model dtype
             params = jax.tree.map(lambda a, t: a.astype(t.dtype), params,
                                   abstract_params(config.model, dtype, config.fp8))
         params = placer.tree(params)
     else:
-        params = load_hf_params(path, config.model, dtype, progress, config.fp8, place=placer)
+        params = load_hf_params(path, config.model, dtype, progress, config.fp8, place=placer,
+                                experts_needed=placer.experts_needed)
     return Model(config, hf_config, params, Tokenizer(path), path, placer)
 
 
@@ -182,21 +217,26 @@ def _logical_params(model: Model):
         params, placements = model._engine.runner.params, model._engine.balancer.placements
     flat = flatten(params)
     for module, p in placements.items():
-        first = jnp.asarray(p.slots_of_expert()[:, 0])
+        first = put_replicated(p.slots_of_expert()[:, 0].astype(np.int32), model.mesh)
         for path in [k for k in flat if k[:-1] == module]:
             flat[path] = jnp.take(flat[path], first, axis=0)
     return unflatten(flat)
 
 
 def save(model: Model, directory: str) -> None:
-    """Writes converted weights (orbax), config.json and the tokenizer; ``load`` reads it back."""
+    """Writes converted weights (orbax), config.json and the tokenizer; ``load`` reads it back. Across
+    processes every process calls it (each writes its own shards; several hosts need a shared
+    directory) and process 0 writes the other files."""
     os.makedirs(directory, exist_ok=True)
-    save_params(jax.device_get(_logical_params(model)), directory)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(model.hf_config, f, indent=2)
-    for fn in _TOKENIZER_FILES:
-        src = os.path.join(model.source_dir, fn)
-        if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(directory, fn)):
-            shutil.copy(src, os.path.join(directory, fn))
-    with open(os.path.join(directory, MARKER), "w") as f:
-        json.dump({"format_version": FORMAT_VERSION, "dtype": model.dtype, "fp8_layers": sorted(model.config.fp8.kinds)}, f)
+    save_params(_logical_params(model), directory)
+    if processes.is_leader():
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(model.hf_config, f, indent=2)
+        for fn in _TOKENIZER_FILES:
+            src = os.path.join(model.source_dir, fn)
+            if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(directory, fn)):
+                shutil.copy(src, os.path.join(directory, fn))
+        with open(os.path.join(directory, MARKER), "w") as f:
+            json.dump({"format_version": FORMAT_VERSION, "dtype": model.dtype,
+                       "fp8_layers": sorted(model.config.fp8.kinds)}, f)
+    processes.barrier("moejax.save")  # no process returns (and may load it) before the files are written

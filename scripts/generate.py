@@ -4,10 +4,15 @@ DeepSeek-V3-architecture model with RANDOM weights, built on the spot (its text 
 
   python scripts/generate.py
   python scripts/generate.py --model /path/to/DeepSeek-V2-Lite --prompt "Hello" --max-new-tokens 64
+  python -m moejax.launch --nproc 8 -- scripts/generate.py --model /path/to/DeepSeek-V3 --parallel dp8-ep8
+
+Several processes (python -m moejax.launch): every process generates the same, process 0 prints.
 """
 
 import argparse
 import time
+
+import jax
 
 import moejax
 
@@ -38,6 +43,8 @@ def main(argv=None):
     results = moejax.generate(model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                               top_p=a.top_p, top_k=a.top_k, seed=a.seed, progress=True)
     dt = time.perf_counter() - t0
+    if jax.process_index() != 0:  # the same results in every process of a multi-process job
+        return
     for p, r in zip(prompts, results):
         print(f"\n### {p!r}\n{r.text!r}\n[{len(r.token_ids)} tokens, finish_reason={r.finish_reason}]")
     s = model.engine.stats

@@ -5,6 +5,13 @@
   python scripts/serve.py --model /path/to/DeepSeek-V2-Lite --port 8000
   python scripts/serve.py --model /path/to/DeepSeek-V3 --parallel dp8-ep8 --kernels auto --kv-cache-dtype fp8
 
+Several processes (one per GPU or group of devices; docs/multiprocess.md):
+
+  python -m moejax.launch --nproc 8 -- scripts/serve.py --model /path/to/DeepSeek-V3 --parallel dp8-ep8
+
+Process 0 is the HTTP front end and forwards each engine step to the others, which step with it.
+A process that dies makes /health answer 503 and the server exit non-zero within --peer-timeout s.
+
 Endpoints: /v1/completions, /v1/chat/completions (SSE streaming, stream_options.include_usage),
 /v1/models, /health, /metrics (Prometheus, vLLM metric names + moejax decode-only throughput).
 
@@ -66,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of browser origins allowed by CORS (e.g. http://localhost:3000, or *); "
                          "default none: cross-origin requests are refused")
     ap.add_argument("--max-request-mb", type=float, default=32.0, help="request bodies above this get 413")
+    ap.add_argument("--peer-timeout", type=float, default=10.0,
+                    help="multi-process: seconds without a heartbeat after which process 0 declares another "
+                         "process dead (/health 503, exit 1)")
     return ap
 
 
@@ -85,6 +95,9 @@ def main(argv=None) -> int:
     import asyncio
 
     import moejax
+    from moejax.engine.replicated import LeaderEngine
+    from moejax.parallel import peer_watch, processes
+    from moejax.parallel.step_channel import StepChannel
     from moejax.server.access import AccessPolicy
     from moejax.server.app import make_app
     from moejax.server.lifecycle import Server
@@ -97,14 +110,44 @@ def main(argv=None) -> int:
         name = name or "moejax-tiny-random"
         print(f"No --model given: serving the embedded tiny DeepSeek-V3-architecture model with RANDOM weights "
               f"({path}) as {name!r}; its output is gibberish.", flush=True)
+    if not a.peer_timeout > 0:
+        raise SystemExit(f"--peer-timeout must be > 0 seconds, got {a.peer_timeout}")
+    multi = processes.initialize_from_env()
+    if multi and not processes.is_leader():
+        return follow_leader(path, kw)
     model = moejax.load(path, **kw)
+    engine = LeaderEngine(model.engine, StepChannel()) if multi else None
     origins = tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip())
     policy = AccessPolicy(api_key=a.api_key or None, allowed_origins=origins, bind_host=a.host)
     app, aengine = make_app(model, name or a.model, extra_names=(a.model,) if a.model else (), policy=policy,
-                            max_body_bytes=int(a.max_request_mb * (1 << 20)))
+                            max_body_bytes=int(a.max_request_mb * (1 << 20)), engine=engine)
+    if multi:
+        peer_watch.watch(aengine.fail, a.peer_timeout)
     print(f"Serving {name or a.model} on http://{a.host}:{a.port}  (max_model_len={model.max_model_len}, "
-          f"KV blocks={model.engine.blocks.num_blocks} x {model.block_size})", flush=True)
-    return asyncio.run(Server(app, a.host, a.port, shutdown_timeout=a.shutdown_timeout).run())
+          f"KV blocks={model.engine.blocks.num_blocks} x {model.block_size}"
+          f"{f', {processes.count()} processes' if multi else ''})", flush=True)
+    code = asyncio.run(Server(app, a.host, a.port, shutdown_timeout=a.shutdown_timeout).run())
+    if multi and code == 0:
+        engine.stop_followers()
+    elif multi:
+        # A process died: the engine thread may be stuck in a collective with it, and jax.distributed's
+        # shutdown barrier would wait for it. Exit now, non-zero, as a one-process server would.
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def follow_leader(path: str, kw: dict) -> int:
+    """A process other than 0: loads its shards, then steps whatever process 0's engine steps."""
+    import moejax
+    from moejax.engine.replicated import follow
+    from moejax.parallel import peer_watch
+    from moejax.parallel.step_channel import StepChannel
+    stop = peer_watch.start_beating()
+    model = moejax.load(path, **kw)
+    follow(model.engine, StepChannel())
+    stop.set()
+    return 0
 
 
 if __name__ == "__main__":

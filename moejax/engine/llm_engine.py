@@ -35,6 +35,7 @@ from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.scheduler import Scheduler
 from moejax.engine.sequence import Sequence
 from moejax.eplb.balancer import ExpertLoadBalancer
+from moejax.parallel.processes import shared_seed
 
 
 @dataclasses.dataclass
@@ -79,7 +80,8 @@ class LLMEngine:
                                    config.scheduler.max_prefill_tokens, config.scheduler.max_preemptions,
                                    runner.max_model_len)
         self.stats = EngineStats()
-        self._rng = random.Random()
+        # Seeds of requests that bring none: the same in every process of a multi-process job.
+        self._rng = random.Random(shared_seed())
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: DecodeStep | None = None  # the decode step dispatched and not yet read
         self._reading: DecodeStep | None = None  # the one being read (the next one dispatched already)

@@ -10,6 +10,10 @@ prefill pads to (batch, chunk length) powers of two and its block-table width.
 Steady-state decoding therefore compiles nothing new. The cache
 is donated to every step, so XLA updates it in place.
 
+Across several processes (moejax/parallel/processes.py) every process builds the same host arrays
+(the same schedule) and passes them to the same jitted step: jit transfers each process's rank
+rows to its own devices. Outputs are read through ``to_host``, a collective every process joins.
+
 Every per-step array has a leading rank axis [N, ...]. Without a mesh N = 1 and
 the step runs as a plain jit; with one, the same per-rank step runs under
 ``jax.shard_map`` (each device: its own requests and cache; experts reached
@@ -31,6 +35,7 @@ from moejax.config import EngineConfig
 from moejax.engine.sequence import Sequence
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
 from moejax.layers.sampler import SampleMode, sample
+from moejax.parallel.processes import agree_min, to_host
 from moejax.parallel.sharding import RANK, REPLICATED, param_specs
 
 
@@ -67,13 +72,14 @@ def default_num_blocks(config: EngineConfig) -> int:
     per_block = cfg.num_hidden_layers * cache.block_size * row_bytes
     per_seq = -(-sched.max_model_len // cache.block_size)
     want = sched.max_num_seqs * per_seq
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         budget = (int(cache.gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
                   - STEP_RESERVE_BYTES)
     else:
         budget = HOST_CACHE_BYTES  # host memory: keep the cache modest
-    n = min(want, max(budget // per_block, 0))
+    # Every process must size its cache the same (the engine is the same everywhere): the smallest.
+    n = agree_min(min(want, max(budget // per_block, 0)))
     if n < per_seq:
         raise ValueError(f"not enough memory for one sequence of max_model_len={sched.max_model_len}: lower "
                          f"max_model_len, raise gpu_memory_utilization (now {cache.gpu_memory_utilization}) or "
@@ -235,9 +241,9 @@ class ModelRunner:
         (N x B x 20 values a step otherwise)."""
         toks, lps, top_lps, top_ids = sampled
         if any(s.params.top_logprobs for s in seqs):
-            toks, lps, top_lps, top_ids = jax.device_get((toks, lps, top_lps, top_ids))
+            toks, lps, top_lps, top_ids = to_host((toks, lps, top_lps, top_ids))
         else:
-            toks, lps = jax.device_get((toks, lps))
+            toks, lps = to_host((toks, lps))
         out = StepOutput(np.zeros(len(seqs), np.int64), np.zeros(len(seqs), np.float64), [None] * len(seqs))
         for j, s in enumerate(seqs):
             r, i = where[s.seq_id]
@@ -392,4 +398,4 @@ class ModelRunner:
         padded = np.zeros((self.num_ranks * per, token_ids.shape[1]), np.int32)
         padded[:B] = token_ids
         (logits,) = self._score(self.params, self.routing, padded.reshape(self.num_ranks, per, -1))
-        return np.asarray(logits).reshape(self.num_ranks * per, *logits.shape[2:])[:B]
+        return np.asarray(to_host(logits)).reshape(self.num_ranks * per, *logits.shape[2:])[:B]

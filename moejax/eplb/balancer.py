@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding
 
 from moejax.eplb.placement import Placement, balanced_placement, balancedness, rank_loads
 from moejax.models.registry import abstract_variables
-from moejax.parallel.sharding import EXPERT
+from moejax.parallel import processes
+from moejax.parallel.sharding import EXPERT, put_replicated
 from moejax.weights.param_tree import flatten, unflatten
 
 
@@ -107,16 +108,21 @@ class ExpertLoadBalancer:
         if self.interval and self.steps % self.interval == 0:
             self.rebalance()
         elif len(self._unread) >= READ_EVERY:
-            self.read_counts(wait=False)
+            # Across processes a read is a collective every process must make at the same step: it waits.
+            self.read_counts(wait=processes.count() > 1)
 
     def read_counts(self, wait: bool = True) -> None:
         """Moves the unread steps' counts into the window, in step order, in one device-to-host copy:
-        all of them (``wait``), or only those whose step is already done."""
+        all of them (``wait``), or only those whose step is already done. Across processes a read is a
+        collective (``to_host``), so only ``wait`` reads: which steps are done differs between processes,
+        and one process (the server's /metrics) may ask alone."""
+        if not wait and processes.count() > 1:
+            return
         n = len(self._unread) if wait else next((i for i, (c, d) in enumerate(self._unread)
                                                  if not (_ready(c) and _ready(d))), len(self._unread))
         if not n:
             return
-        got = jax.device_get([self._unread.popleft() for _ in range(n)])
+        got = processes.to_host([self._unread.popleft() for _ in range(n)])
         for c, d in got:
             c, d = np.asarray(c), np.asarray(d)
             if len(self.dispatched) == self.dispatched.maxlen:
@@ -177,11 +183,12 @@ class ExpertLoadBalancer:
     def apply(self, new: dict) -> None:
         def move(w, path, p):  # new slot s takes the weights of a current slot holding expert logical_of_slot[s]
             src = self.placements[path].slots_of_expert()[p.logical_of_slot, 0]
-            return self._take(w, jnp.asarray(src, jnp.int32))
+            return self._take(w, put_replicated(src.astype(np.int32), self.runner.mesh))
 
         params = _map_experts(self.runner.params, new, move)
         self.placements.update(new)
-        self.runner.set_routing(params, jax.device_put(routing_tree(self.placements, self.routing_width)))
+        self.runner.set_routing(params, put_replicated(routing_tree(self.placements, self.routing_width),
+                                                       self.runner.mesh))
         self.counts.clear()
         self.dispatched.clear()
         self._dispatched_sum = None

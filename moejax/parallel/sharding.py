@@ -52,12 +52,37 @@ EXPERT = spec("expert")  # the routed experts' slot axis
 
 
 def make_mesh(num_ranks: int) -> Mesh:
-    devices = jax.devices()
-    if len(devices) < num_ranks:
-        raise ValueError(f"parallel layout needs {num_ranks} devices, {len(devices)} available "
-                         "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    return Mesh(np.array(devices[:num_ranks]), (AXIS,))
+    """The ``ep`` mesh of num_ranks devices. Across several processes (moejax/parallel/processes.py)
+    each process contributes the same number of its own devices, in process order, so rank r lives in
+    process r // (num_ranks / processes)."""
+    nproc = jax.process_count()
+    if nproc == 1:
+        devices = jax.devices()
+        if len(devices) < num_ranks:
+            raise ValueError(f"parallel layout needs {num_ranks} devices, {len(devices)} available "
+                             "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+        return Mesh(np.array(devices[:num_ranks]), (AXIS,))
+    if num_ranks % nproc:
+        raise ValueError(f"data_parallel_size {num_ranks} is not divisible by the {nproc} processes "
+                         "(each process holds the same number of ranks)")
+    per = num_ranks // nproc
+    by_process = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                  for p in range(nproc)]
+    short = [p for p, ds in enumerate(by_process) if len(ds) < per]
+    if short:
+        raise ValueError(f"data_parallel_size {num_ranks} over {nproc} processes needs {per} devices in each; "
+                         f"process {short[0]} has {len(by_process[short[0]])} (--devices-per-process of "
+                         "python -m moejax.launch)")
+    return Mesh(np.array([d for ds in by_process for d in ds[:per]]), (AXIS,))
 
 
 def shard_params(params, mesh: Mesh):
     return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, param_specs(params))
+
+
+def put_replicated(tree, mesh: Mesh | None):
+    """Host arrays onto every device of the mesh (or the default device without one). Across processes
+    every process passes the same values and transfers them to its own devices."""
+    if mesh is None:
+        return jax.device_put(tree)
+    return jax.device_put(tree, NamedSharding(mesh, REPLICATED))

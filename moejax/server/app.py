@@ -274,11 +274,12 @@ def build_app(aengine: AsyncEngine, ctx: protocol.ServingContext, policy: Access
 
 
 def make_app(model, model_name: str | None = None, extra_names=(), policy: AccessPolicy | None = None,
-             max_body_bytes: int = MAX_BODY_BYTES) -> tuple[web.Application, AsyncEngine]:
-    """The app and its (started) AsyncEngine for a loaded moejax Model."""
+             max_body_bytes: int = MAX_BODY_BYTES, engine=None) -> tuple[web.Application, AsyncEngine]:
+    """The app and its (started) AsyncEngine for a loaded moejax Model, driving ``engine`` (default:
+    the model's; a multi-process server's process 0 passes its LeaderEngine)."""
     name = model_name or model.source_dir
     names = tuple(dict.fromkeys([name, *extra_names, model.source_dir]))
-    aengine = AsyncEngine(model.engine, name).start()
+    aengine = AsyncEngine(engine if engine is not None else model.engine, name).start()
     ctx = protocol.ServingContext(names, model.tokenizer, model.max_model_len, model.config.model.vocab_size)
     app = build_app(aengine, ctx, policy, max_body_bytes)
 

@@ -123,8 +123,14 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._inbox.put(("wake", None))
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self.error is None:  # a dead engine's thread may be stuck in a step
             self._thread.join(timeout)
+
+    def fail(self, message: str) -> None:
+        """Declares the engine dead from outside its thread (thread-safe): another process of a
+        multi-process server died, so the step in flight never returns (moejax/parallel/peer_watch.py)."""
+        if self.error is None:
+            self.error = message
 
     @property
     def is_alive(self) -> bool:

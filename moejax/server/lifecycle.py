@@ -5,9 +5,10 @@
 - stop: the listening socket closes (no new connections), new requests on open connections get
   503, requests in flight may finish for up to ``shutdown_timeout`` seconds; what is left then
   gets an error event (streams: then ``[DONE]``) or a 503, and run returns 0;
-- engine dead: every request in flight has already had its error (async_engine.py), /health
-  answers 503; run returns 1 within seconds, so the process exits non-zero and a supervisor
-  restarts it (vLLM's behaviour), instead of serving 503s forever.
+- engine dead: every request in flight gets its error (async_engine.py; here, when the engine was
+  declared dead from outside its thread: another process of a multi-process server died), /health
+  answers 503 (for DEAD_REPORT_S before the listener closes); run returns 1 within seconds, so the
+  process exits non-zero and a supervisor restarts it (vLLM's behaviour), instead of serving 503s forever.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from moejax.server.app_keys import ENGINE_KEY, STATE_KEY
 
 FLUSH_S = 2.0  # time given to handlers to write their last events before connections are closed
 ENGINE_POLL_S = 0.2
+DEAD_REPORT_S = 1.0  # /health answers 503 (engine dead) this long before the listener closes
 
 
 class Server:
@@ -72,11 +74,15 @@ class Server:
             code = 0 if stop_task.done() else 1
             self.stop_reason = "signal" if code == 0 else f"engine died: {self.aengine.error}"
             print(f"moejax server: {'shutting down' if code == 0 else self.stop_reason}", flush=True)
+            if code == 1:  # a health check polling now sees why (503, the engine's error) before the port closes
+                await asyncio.sleep(DEAD_REPORT_S)
             self.state.draining = True
             await site.stop()  # no new connections
             if code == 0 and not await self._wait_inflight(self.shutdown_timeout):
                 self.state.fail_inflight(f"the server is shutting down (requests still running after the "
                                          f"{self.shutdown_timeout:g} s grace period were aborted)", 503)
+            if code == 1 and self.state.inflight:  # the engine was declared dead from outside its thread
+                self.state.fail_inflight(f"the engine died: {self.aengine.error}", 503)
             await self._wait_inflight(FLUSH_S)
         finally:
             for t in (stop_task, dead_task):

@@ -69,13 +69,18 @@ def _check_shape(name: str, arr, want: tuple) -> None:
 
 
 def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool = True, fp8: Fp8Policy = NO_FP8,
-                   place: Callable[[tuple[str, ...], np.ndarray], object] | None = None):
-    """The parameter pytree: NumPy arrays, or whatever ``place(path, array)`` returns for each leaf."""
+                   place: Callable[[tuple[str, ...], np.ndarray], object] | None = None,
+                   experts_needed: Callable[[tuple[str, ...]], set[int] | None] | None = None):
+    """The parameter pytree: NumPy arrays, or whatever ``place(path, array)`` returns for each leaf.
+    ``experts_needed(experts module path)``: the routed experts to convert (None: all); the rows of the
+    others are left unset, for a ``place`` that never reads them (one process of several: its own
+    shards only). Every tensor is still checked for presence and shape."""
     family = family_of(cfg)
     expected = flatten(abstract_params(cfg, dtype, fp8))
     tensors = CheckedTensors(directory, cfg)
     block = cfg.fp8_block_size
     place = place or (lambda path, a: a)
+    needed = experts_needed or (lambda module: None)
     out: dict[tuple[str, ...], object] = {}
     pending: dict[tuple[str, ...], np.ndarray] = {}  # stacked leaves still missing experts
     source: dict[tuple, str] = {}  # (path, expert) -> the HF name that filled it
@@ -127,10 +132,14 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
             if not 0 <= ref.expert < E:
                 raise ValueError(f"checkpoint tensor {name!r}: expert index {ref.expert} >= n_routed_experts")
             buf = pending.setdefault(ref.path, np.empty(want.shape, dt))
-            w, s = convert(name, arr, scale)
-            buf[ref.expert] = w
             if keep_fp8:
-                pending.setdefault(sp, np.empty(expected[sp].shape, np.float32))[ref.expert] = s
+                sbuf = pending.setdefault(sp, np.empty(expected[sp].shape, np.float32))
+            wanted = needed(leaf[:-1])
+            if wanted is None or ref.expert in wanted:
+                w, s = convert(name, arr, scale)
+                buf[ref.expert] = w
+                if keep_fp8:
+                    sbuf[ref.expert] = s
             seen = experts_seen.setdefault(ref.path, set())
             seen.add(ref.expert)
             if len(seen) == E:
@@ -145,7 +154,8 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
                                  f"expected one [rows, cols] block-scale grid per expert ({E} experts)")
             buf = np.empty(want.shape, dt)
             sbuf = np.empty(expected[sp].shape, np.float32) if keep_fp8 else None
-            for e in range(E):
+            wanted = needed(leaf[:-1])
+            for e in range(E) if wanted is None else sorted(wanted):
                 w, s = convert(name, arr[e], None if scale is None else scale[e])
                 buf[e] = w
                 if keep_fp8:
