@@ -21,6 +21,7 @@ first non-zero one of the children (128 + N for a child killed by signal N), els
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import signal
@@ -109,7 +110,6 @@ def _die_with_parent() -> None:
     """In a child, before exec: Linux sends it SIGKILL if the launcher dies (killed, so it cannot kill
     its children itself), so no process of the job outlives it. Elsewhere: nothing."""
     try:
-        import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass

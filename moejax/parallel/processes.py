@@ -25,6 +25,7 @@ import os
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 COORDINATOR_ENV = "MOEJAX_COORDINATOR"
 NUM_PROCESSES_ENV = "MOEJAX_NUM_PROCESSES"
@@ -93,14 +94,12 @@ def to_host(tree):
     this is a collective: every process must make the same call at the same point."""
     if jax.process_count() == 1:
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def barrier(name: str) -> None:
     """Every process waits here for the others (e.g. until process 0 has written a file they read)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
 
 
@@ -108,7 +107,6 @@ def agree_min(n: int) -> int:
     """The smallest of every process's ``n`` (a size each computed from its own devices' memory)."""
     if jax.process_count() == 1:
         return n
-    from jax.experimental import multihost_utils
     return int(np.asarray(multihost_utils.process_allgather(np.array([n], np.int64))).min())
 
 
@@ -116,7 +114,6 @@ def shared_seed() -> int | None:
     """A random seed, the same in every process (process 0's, broadcast); None in one process."""
     if jax.process_count() == 1:
         return None
-    from jax.experimental import multihost_utils
     mine = np.frombuffer(os.urandom(4), np.uint32).astype(np.int64)
     return int(multihost_utils.broadcast_one_to_all(mine)[0])
 
@@ -127,7 +124,6 @@ def check_same(value, what: str) -> None:
     would compute garbage or hang. Compares a digest, so values of any size cost one small collective."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
     digest = np.frombuffer(hashlib.sha256(repr(value).encode()).digest(), np.uint32)
     every = np.asarray(multihost_utils.process_allgather(digest))  # [processes, 8]
     if not (every == every[0]).all():

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pickle
 
+from jax._src import distributed  # the coordination service's key-value store (no public API)
+
 PREFIX = "moejax/steps/"
 POLL_MS = 1000  # a follower's wait for the next message is cut in slices this long
 
 
 def _client():
     # The coordination service's client: jax.distributed's own (public API has no key-value store).
-    from jax._src import distributed
     if distributed.global_state.client is None:
         raise RuntimeError("jax.distributed is not initialised: a step channel needs a multi-process job")
     return distributed.global_state.client
