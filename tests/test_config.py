@@ -126,6 +126,7 @@ def test_gpu_memory_utilization_sizes_the_cache(monkeypatch):
     in_use = int(rng.integers(0, limit // 4))
     stats = {"bytes_limit": limit, "bytes_in_use": in_use}
     monkeypatch.setattr(jax, "devices", lambda *a, **k: [_FakeDevice(stats)])
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_FakeDevice(stats)])
     got = {u: default_num_blocks(conf) for u, conf in confs.items()}
     for u, n in got.items():
         assert n == (int(u * limit) - in_use - STEP_RESERVE_BYTES) // per_block
@@ -133,6 +134,6 @@ def test_gpu_memory_utilization_sizes_the_cache(monkeypatch):
     stats["bytes_in_use"] = int(u_lo * limit) - STEP_RESERVE_BYTES - per_block  # room for less than a sequence
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         default_num_blocks(c)
-    for host_stats in (None, {}):
         monkeypatch.setattr(jax, "devices", lambda *a, **k: [_FakeDevice(host_stats)])
+        monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_FakeDevice(host_stats)])
         assert {default_num_blocks(conf) for conf in confs.values()} == {HOST_CACHE_BYTES // per_block}
