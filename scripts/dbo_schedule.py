@@ -96,8 +96,7 @@ def overlap_report(hlo_text: str) -> list[dict]:
     for i, (name, opcode, line) in enumerate(sched):
         if opcode in ("all-to-all-start", "async-start") and _is_a2a(line):
             starts[name] = i
-        elif opcode in ("all-to-all-done", "async-done") and _is_a2a(line) or (
-                opcode in ("all-to-all-done", "async-done") and any(s in line for s in starts)):
+        elif opcode in ("all-to-all-done", "async-done"):  # its operand names the start (if any) it ends
             src = next((s for s in starts if re.search(rf"%?{re.escape(s)}\b", line.split("(", 1)[1])), None)
             if src is None:
                 continue
@@ -235,7 +234,7 @@ def main(argv=None) -> int:
         for dbo in a.dbo.split(","):
             r = measure(a, dbo, batch)
             results.append(r)
-            moe_pairs = [p for p in r["overlap"]]
+            moe_pairs = r["overlap"]
             hidden = sum(p["kernels_between"] > 0 for p in moe_pairs)
             print(f"batch {batch:>5}/rank  dbo {dbo:>3}: step {r['step_s'] * 1e3:8.3f} ms "
                   f"(rounds {', '.join(f'{x * 1e3:.3f}' for x in r['rounds_s'])}); all-to-alls: "
