@@ -123,7 +123,8 @@ def test_sampling_follows_the_distribution(tiny_path):
 
 def test_logprobs_and_stop_strings(tiny_path):
     """Greedy logprobs (decode steps) against the log-softmax of score() over prompt + output (one
-    prefill); a stop string cuts the text just before its first occurrence (finish "stop")."""
+    prefill); a stop string cuts the text just before its first occurrence (finish "stop"), also when
+    that leaves nothing."""
     m = _load(tiny_path)
     rng = np.random.default_rng()
     for _ in range(8):  # random bytes: try prompts until the output has ASCII text to stop on
@@ -143,6 +144,11 @@ def test_logprobs_and_stop_strings(tiny_path):
     np.testing.assert_allclose(full.logprobs, lsm[np.arange(len(full.token_ids)), full.token_ids], atol=1e-4)
     r = moejax.generate(m, [prompt], max_new_tokens=32, ignore_eos=True, stop=[stop])[0]
     assert r.finish_reason == "stop" and r.text == text[:text.find(stop)] and stop not in r.text
+    # The whole output up to the stop string's end as the stop string: the text returned is empty
+    # (an empty cut once fell back to the full decoded text, stop string included).
+    head = text[:text.find(stop) + len(stop)]
+    r = moejax.generate(m, [prompt], max_new_tokens=32, ignore_eos=True, stop=[head])[0]
+    assert r.finish_reason == "stop" and r.text == "", (head, r.text)
 
 
 def test_top_logprobs_match_score(tiny_path):

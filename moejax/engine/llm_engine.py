@@ -231,16 +231,16 @@ class LLMEngine:
             reason = "stop"
         elif seq.num_output_tokens >= p.max_new_tokens or len(seq) >= self.max_model_len:
             reason = "length"
+        text = None
         if p.stop and reason != "stop":
             text = self.tokenizer.decode(seq.output_ids)
             hits = [text.find(s) for s in p.stop if s in text]
             if hits:
-                seq.text = text[:min(hits)]  # the stop string itself is not returned (as in vLLM)
+                text = text[:min(hits)]  # the stop string itself is not returned (as in vLLM); may be ""
                 reason = "stop"
         if reason:
             seq.finish_reason = reason
-            if not seq.text:
-                seq.text = self.tokenizer.decode(seq.output_ids)
+            seq.text = self.tokenizer.decode(seq.output_ids) if text is None else text
             self.scheduler.finish(seq)
 
     def run_to_completion(self, seqs: list[Sequence], progress: bool = False) -> None:
