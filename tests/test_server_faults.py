@@ -157,7 +157,8 @@ def test_unknown_fields_ignored_with_a_warning(server, caplog):
     """Unknown fields are ignored (as vLLM does) and logged, not refused."""
     key = f"no_such_field_{np.random.default_rng().integers(1 << 30)}"
     with caplog.at_level("WARNING", logger="moejax.server"):
-        status, body = _post(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, key: [1, {"a": 2}]})
+        status, body = _post(server.url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "ignore_eos": True,
+                                                                 key: [1, {"a": 2}]})
     assert status == 200 and body["usage"]["completion_tokens"] == 2
     assert any(key in r.getMessage() for r in caplog.records)
 
@@ -238,12 +239,12 @@ def test_tokenising_runs_off_the_event_loop(server, model):
     try:
         out = {}
         slow = threading.Thread(target=lambda: out.update(
-            r=_post(srv.url, "/v1/completions", {"prompt": f"a {mark} b", "max_tokens": 2})), daemon=True)
+            r=_post(srv.url, "/v1/completions", {"prompt": f"a {mark} b", "max_tokens": 2, "ignore_eos": True})), daemon=True)
         t0 = time.perf_counter()
         slow.start()
         time.sleep(0.3)
         assert _health(srv.url) == 200
-        status, body = _post(srv.url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
+        status, body = _post(srv.url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True})
         assert status == 200 and body["usage"]["completion_tokens"] == 2
         assert time.perf_counter() - t0 < delay - 1 and slow.is_alive()
         slow.join(60)
@@ -264,7 +265,7 @@ def test_api_key_host_and_cors(server):
                                                                     MAX_LEN, 10**6), policy))
     srv.start()
     try:
-        url, body = srv.url, {"prompt": [5, 6, 7], "max_tokens": 2}
+        url, body = srv.url, {"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
         for hdrs in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
             status, resp = _post(url, "/v1/completions", body, headers=hdrs)
             _assert_error(status, resp, 401)
