@@ -1,0 +1,402 @@
+# model_runner.py as it was before the decode inputs were built with NumPy (issue 18): the "old" side of host_inputs_ab.py.
+"""Owns the device state (parameters, expert placement, paged latent cache) and the compiled steps.
+
+Shapes are padded to buckets so the compiled programs are reused: the per-rank
+decode batch to a power of two (up to max_num_seqs) and the block-table width to
+a power of two of the longest live context. A prefill of whole prompts (nothing cached)
+packs each rank's prompts back to back in one token stream with cumulative offsets
+(``cu_seqlens``; no padding to the longest prompt), the stream padded to ``packed_bucket``
+of its length and the number of prompts to a power of two. A chunked or prefix-cached
+prefill pads to (batch, chunk length) powers of two and its block-table width.
+Steady-state decoding therefore compiles nothing new. The cache
+is donated to every step, so XLA updates it in place.
+
+Across several processes (moejax/parallel/processes.py) every process builds the same host arrays
+(the same schedule) and passes them to the same jitted step: jit transfers each process's rank
+rows to its own devices. Outputs are read through ``to_host``, a collective every process joins.
+
+Every per-step array has a leading rank axis [N, ...]. Without a mesh N = 1 and
+the step runs as a plain jit; with one, the same per-rank step runs under
+``jax.shard_map`` (each device: its own requests and cache; experts reached
+through the MoE dispatch backend's collectives).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from moejax.config import EngineConfig
+from moejax.engine.sequence import Sequence
+from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
+from moejax.layers.sampler import SampleMode, sample
+from moejax.parallel.processes import agree_min, to_host
+from moejax.parallel.sharding import RANK, REPLICATED, param_specs
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What a step sampled for each of its sequences, in their order."""
+    tokens: np.ndarray  # [n] token ids
+    logprobs: np.ndarray  # [n] logprob of each token under the raw distribution
+    top_logprobs: list  # [n]: None, or the sequence's top_logprobs best (token id, logprob), descending
+
+
+def next_pow2(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def packed_bucket(n: int) -> int:
+    """Tokens of a packed prefill stream of n: a multiple of 16 up to 128, then four buckets per
+    power of two (1.25, 1.5, 1.75 and 2 x 2^k), so padding stays under 25% of the stream and a
+    power of two of prompt lengths compiles four programs."""
+    step = max(16, next_pow2(n) // 8)
+    return -(-max(n, 1) // step) * step
+
+
+STEP_RESERVE_BYTES = 2 << 30  # device memory left for the step's activations and compiled programs
+HOST_CACHE_BYTES = 2 << 30  # the cache's size where the device reports no memory limit (CPU)
+
+
+def default_num_blocks(config: EngineConfig) -> int:
+    """KV blocks per rank: all of max_num_seqs at max_model_len, capped by device memory: what is left of
+    gpu_memory_utilization x the device's memory after what is in use (the weights) and a reserve."""
+    cfg, cache, sched = config.model, config.cache, config.scheduler
+    row_bytes = (cache_row_dim(cfg.kv_cache_dim, cache.kv_cache_dtype)
+                 * cache_array_dtype(cache.kv_cache_dtype, config.dtype, config.kernels).itemsize)
+    per_block = cfg.num_hidden_layers * cache.block_size * row_bytes
+    per_seq = -(-sched.max_model_len // cache.block_size)
+    want = sched.max_num_seqs * per_seq
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        budget = (int(cache.gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
+                  - STEP_RESERVE_BYTES)
+    else:
+        budget = HOST_CACHE_BYTES  # host memory: keep the cache modest
+    # Every process must size its cache the same (the engine is the same everywhere): the smallest.
+    n = agree_min(min(want, max(budget // per_block, 0)))
+    if n < per_seq:
+        raise ValueError(f"not enough memory for one sequence of max_model_len={sched.max_model_len}: lower "
+                         f"max_model_len, raise gpu_memory_utilization (now {cache.gpu_memory_utilization}) or "
+                         "pass num_kv_blocks")
+    return int(n)
+
+
+@dataclasses.dataclass
+class DecodeStep:
+    """A dispatched decode step: its outputs stay on the device until ``read``."""
+    seqs: list[Sequence]
+    # sample()'s outputs on the device: tokens [N, B] (row i of rank r: the i-th of that rank's
+    # sequences), their logprobs [N, B], the top logprobs and their token ids [N, B, K]
+    sampled: tuple
+    index: dict[int, tuple[int, int]]  # seq_id -> (rank, row)
+
+    @property
+    def toks(self) -> jax.Array:
+        return self.sampled[0]
+
+
+def _feed(prev, rows, host):
+    """Decode input tokens [N, B]: row i takes prev[r, rows[r, i]] (the token the step before sampled
+    for that sequence, never read by the host) where rows >= 0, else the host's token."""
+    return jnp.where(rows >= 0, jnp.take_along_axis(prev, jnp.maximum(rows, 0), axis=1), host)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, module, params, routing, mesh=None):
+        """module: the Flax model (kernel-scoped); params/routing on device (sharded over ``mesh``)."""
+        cfg = config.model
+        self.config = config
+        self.module, self.params, self.routing, self.cfg, self.mesh = module, params, routing, cfg, mesh
+        self.num_ranks = config.num_ranks
+        self.block_size = config.cache.block_size
+        self.num_blocks = config.cache.num_blocks or default_num_blocks(config)  # per rank
+        self.max_model_len, self.max_num_seqs = config.scheduler.max_model_len, config.scheduler.max_num_seqs
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.num_slots = self.num_blocks * self.block_size
+        kv_dtype = cache_array_dtype(config.cache.kv_cache_dtype, config.dtype, config.kernels)
+        # FP8 rows carry their scale (layers/kv_quant.py).
+        shape = (self.num_ranks, cfg.num_hidden_layers, self.num_slots, stored_row_dim(cfg.kv_cache_dim, kv_dtype))
+        if mesh is None:
+            self.cache = jnp.zeros(shape, kv_dtype)
+        else:
+            self.cache = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=NamedSharding(mesh, RANK))()
+        # How many times each step was traced (= compiled): tests assert on it.
+        self.trace_counts: collections.Counter[str] = collections.Counter()
+        self.last_expert_counts = self.last_dispatched = None
+        self.last_prefill_tokens = 0  # tokens per rank the last prefill step computed, padding included
+        self._prefill = self._compile(self._prefill_rank, "prefill", with_cache=True)
+        self._prefill_paged = self._compile(self._prefill_paged_rank, "prefill_paged", with_cache=True)
+        self._decode = self._compile(self._decode_rank, "decode", with_cache=True)
+        self._score = self._compile(self._score_rank, "score", with_cache=False, sampling=False)
+        def feed(prev, rows, host):
+            self.trace_counts["feed"] += 1
+            return _feed(prev, rows, host)
+        # Same rank layout as the steps' outputs, so the decode step sees the sharding it always does.
+        self._feed = jax.jit(feed) if mesh is None else jax.jit(feed, out_shardings=NamedSharding(mesh, RANK))
+
+    def _vars(self, params, routing):
+        return {"params": params, "routing": routing}
+
+    def _apply_counted(self, v, *args, method):
+        """module.apply that also returns the MoE statistics sown in the step:
+        tokens per logical expert [L_moe, E] and (token, expert) pairs computed here [L_moe]."""
+        out, state = self.module.apply(v, *args, method=method, mutable=["stats"])
+        layers = state.get("stats", {})
+        names = sorted(layers, key=lambda n: int(n.split("_")[1]))
+        if not names:
+            return out, jnp.zeros((0, self.cfg.n_routed_experts), jnp.int32), jnp.zeros((0,), jnp.int32)
+        ex = [layers[n]["mlp"]["experts"] for n in names]
+        # One value per MoE call: two in a layer run as two micro-batches (dual-batch overlap).
+        return (out, jnp.stack([sum(e["expert_counts"]) for e in ex]),
+                jnp.stack([sum(e["dispatched"]) for e in ex]))
+
+    # ----- per-rank compiled bodies ----------------------------------------
+    def _prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots, samp, mode):
+        """Whole prompts packed in one stream: tokens, positions, slots [T]; cu_seqlens [B + 1]."""
+        v = self._vars(params, routing)
+        (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, None, cache, slots, None, None,
+                                                             None, cu_seqlens, method="prefill")
+        last = h[jnp.maximum(cu_seqlens[1:] - 1, 0)]  # each prompt's last token
+        sampled = sample(self.module.apply(v, last, method="logits"), *samp,
+                         positions=cu_seqlens[1:] - cu_seqlens[:-1], mode=mode)
+        return cache, sampled, counts, dispatched
+
+    def _prefill_paged_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots, block_tables,
+                            samp, mode):
+        B = tokens.shape[0]
+        v = self._vars(params, routing)
+        (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, seq_lens, cache, slots,
+                                                             block_tables, ctx_lens, self.block_size,
+                                                             method="prefill")
+        last = h[jnp.arange(B), jnp.maximum(seq_lens - 1, 0)]
+        sampled = sample(self.module.apply(v, last, method="logits"), *samp, positions=ctx_lens, mode=mode)
+        return cache, sampled, counts, dispatched
+
+    def _decode_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens, samp, mode):
+        v = self._vars(params, routing)
+        (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, cache, slots, block_tables,
+                                                             jnp.maximum(seq_lens, 1), self.block_size,
+                                                             method="decode")
+        sampled = sample(self.module.apply(v, h, method="logits"), *samp, positions=positions + 1, mode=mode)
+        return cache, sampled, counts, dispatched
+
+    def _score_rank(self, params, routing, tokens):
+        B, S = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        v = self._vars(params, routing)
+        (h, _), _, _ = self._apply_counted(v, tokens, positions, jnp.full((B,), S, jnp.int32), method="prefill")
+        return (self.module.apply(v, h, method="logits"),)
+
+    def _compile(self, rank_fn, name: str, with_cache: bool, sampling: bool = True):
+        """jit (and, on a mesh, shard_map) a per-rank body over inputs with a leading rank axis. A
+        step that samples takes the batch's SampleMode as the static keyword ``mode`` (one
+        compiled variant per mode: layers/sampler.py says why it is not decided on the device)."""
+        def per_rank(params, routing, *args, **static):
+            self.trace_counts[name] += 1
+            outs = rank_fn(params, routing, *jax.tree.map(lambda a: a[0], args), **static)
+            return jax.tree.map(lambda a: a[None], outs)
+
+        if self.mesh is not None:
+            mesh, specs = self.mesh, param_specs(self.params)
+
+            def fn(params, routing, *args, **static):
+                body = functools.partial(per_rank, **static)
+                return jax.shard_map(body, mesh=mesh, in_specs=(specs, REPLICATED, *([RANK] * len(args))),
+                                     out_specs=RANK, check_vma=False)(params, routing, *args)
+        else:
+            fn = per_rank
+        return jax.jit(fn, donate_argnums=(2,) if with_cache else (), static_argnames=("mode",) if sampling else ())
+
+    # ----- host-side batching ---------------------------------------------
+    def _by_rank(self, seqs: list[Sequence]) -> tuple[list[list[Sequence]], int]:
+        ranks = [[] for _ in range(self.num_ranks)]
+        for s in seqs:
+            ranks[s.dp_rank].append(s)
+        return ranks, max(len(r) for r in ranks)
+
+    def _sampling_arrays(self, ranks: list[list[Sequence]], B: int):
+        N = self.num_ranks
+        temp, top_p = np.zeros((N, B), np.float32), np.ones((N, B), np.float32)
+        top_k, seeds = np.zeros((N, B), np.int32), np.zeros((N, B), np.uint32)
+        for r, seqs in enumerate(ranks):
+            for i, s in enumerate(seqs):
+                p = s.params
+                temp[r, i], top_p[r, i], top_k[r, i] = p.temperature, p.top_p, p.top_k
+                seeds[r, i] = s.seed & 0xFFFFFFFF
+        return temp, top_p, top_k, seeds
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    @staticmethod
+    def _gather(where: dict[int, tuple[int, int]], sampled, seqs: list[Sequence]) -> StepOutput:
+        """The step's samples of ``seqs`` (at ``where[seq_id]`` = (rank, row)) on the host, in one
+        device-to-host copy; the top logprobs are copied only when one of them asks for some
+        (N x B x 20 values a step otherwise)."""
+        toks, lps, top_lps, top_ids = sampled
+        if any(s.params.top_logprobs for s in seqs):
+            toks, lps, top_lps, top_ids = to_host((toks, lps, top_lps, top_ids))
+        else:
+            toks, lps = to_host((toks, lps))
+        out = StepOutput(np.zeros(len(seqs), np.int64), np.zeros(len(seqs), np.float64), [None] * len(seqs))
+        for j, s in enumerate(seqs):
+            r, i = where[s.seq_id]
+            out.tokens[j], out.logprobs[j] = toks[r, i], lps[r, i]
+            n = s.params.top_logprobs
+            if n:
+                out.top_logprobs[j] = list(zip(top_ids[r, i, :n].tolist(), top_lps[r, i, :n].tolist()))
+        return out
+
+    def prefill(self, seqs: list[Sequence]) -> StepOutput:
+        """Runs each sequence's scheduled chunk (``num_new_tokens`` from ``num_cached_tokens``),
+        writes its latents to the cache and samples a next token from its last position; the
+        token means something only for a sequence whose prompt the chunk completes.
+
+        A batch of whole prompts with nothing cached takes the one-shot program over a packed
+        stream (each prompt attends to its own latents); otherwise chunks attend to their context
+        read from the paged cache (a prefix-cache hit or earlier chunks): layers/prefill_attention.py."""
+        for s in seqs:
+            a, n = s.num_cached_tokens, s.num_new_tokens
+            if n < 1 or a + n > len(s):
+                raise RuntimeError(f"bad prefill chunk [{a}, {a + n}) of a {len(s)}-token sequence")
+        ranks, per_rank = self._by_rank(seqs)
+        B = next_pow2(per_rank)
+        samp = self._sampling_arrays(ranks, B)
+        if any(s.num_cached_tokens for s in seqs):
+            self.cache, sampled, counts, dispatched = self._prefill_paged(self.params, self.routing, self.cache,
+                                                                          *self._paged_arrays(ranks, B, seqs), samp,
+                                                                          mode=SampleMode.of(s.params for s in seqs))
+        else:
+            self.cache, sampled, counts, dispatched = self._prefill(self.params, self.routing, self.cache,
+                                                                    *self._packed_arrays(ranks, B), samp,
+                                                                    mode=SampleMode.of(s.params for s in seqs))
+        self._record(counts, dispatched)
+        where = {s.seq_id: (r, i) for r, rs in enumerate(ranks) for i, s in enumerate(rs)}
+        out = self._gather(where, sampled, seqs)
+        for s in seqs:
+            s.num_cached_tokens += s.num_new_tokens
+            s.num_new_tokens = 0
+        return out
+
+    def _packed_arrays(self, ranks: list[list[Sequence]], B: int):
+        """Each rank's whole prompts back to back: tokens, positions, slots [N, T] and cu_seqlens
+        [N, B + 1] (prompts past the rank's own are empty; tokens past its last prompt are padding,
+        written to an out-of-range slot: dropped)."""
+        N = self.num_ranks
+        T = packed_bucket(max(sum(s.num_new_tokens for s in rs) for rs in ranks))
+        self.last_prefill_tokens = T
+        tokens, positions = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
+        slots = np.full((N, T), self.num_slots, np.int32)
+        cu = np.zeros((N, B + 1), np.int32)
+        for r, rs in enumerate(ranks):
+            off = 0
+            for i, s in enumerate(rs):
+                n = s.num_new_tokens
+                tokens[r, off:off + n] = s.token_ids[:n]
+                positions[r, off:off + n] = np.arange(n)
+                slots[r, off:off + n] = [self._slot(s, p) for p in range(n)]
+                off += n
+                cu[r, i + 1] = off
+            cu[r, len(rs) + 1:] = off
+        return tokens, positions, cu, slots
+
+    def _paged_arrays(self, ranks: list[list[Sequence]], B: int, seqs: list[Sequence]):
+        """Chunks after a cached context, padded to [N, B, S]: tokens, positions, chunk and context
+        lengths, slots, block tables."""
+        N = self.num_ranks
+        S = next_pow2(max(s.num_new_tokens for s in seqs), 16)
+        self.last_prefill_tokens = B * S
+        tokens = np.zeros((N, B, S), np.int32)
+        positions = np.zeros((N, B, S), np.int32)
+        lens, ctx = np.zeros((N, B), np.int32), np.zeros((N, B), np.int32)
+        slots = np.full((N, B, S), self.num_slots, np.int32)  # out of range: dropped
+        nb = min(next_pow2(max(len(s.block_table) for s in seqs)), next_pow2(self.max_blocks_per_seq))
+        tables = np.zeros((N, B, nb), np.int32)
+        for r, rs in enumerate(ranks):
+            for i, s in enumerate(rs):
+                a, n = s.num_cached_tokens, s.num_new_tokens
+                tokens[r, i, :n] = s.token_ids[a:a + n]
+                positions[r, i, :n] = np.arange(a, a + n)
+                lens[r, i], ctx[r, i] = n, a + n
+                slots[r, i, :n] = [self._slot(s, p) for p in range(a, a + n)]
+                tables[r, i, :len(s.block_table)] = s.block_table
+        return tokens, positions, lens, ctx, slots, tables
+
+    def decode(self, seqs: list[Sequence]) -> StepOutput:
+        """One token for each sequence; its last token is the one being fed (synchronous: read at once)."""
+        return self.read(self.dispatch_decode(seqs))
+
+    def dispatch_decode(self, seqs: list[Sequence], prev: DecodeStep | None = None) -> DecodeStep:
+        """Launches one decode step without waiting for it (JAX dispatch is asynchronous). A sequence
+        with a token pending from ``prev`` (the step still in flight) is fed that token on the device,
+        at the position after it; positions, slots and block tables are the host's, since each step
+        grows a sequence by exactly one token."""
+        ranks, per_rank = self._by_rank(seqs)
+        N, B = self.num_ranks, min(next_pow2(per_rank), next_pow2(self.max_num_seqs))
+        nb = min(next_pow2(max(len(s.block_table) for s in seqs)), next_pow2(self.max_blocks_per_seq))
+        tokens, positions, lens = (np.zeros((N, B), np.int32) for _ in range(3))
+        rows = np.full((N, B), -1, np.int32)  # where a pending token sits in prev's output
+        slots = np.full((N, B), self.num_slots, np.int32)
+        tables = np.zeros((N, B, nb), np.int32)
+        index = {}
+        for r, rs in enumerate(ranks):
+            for i, s in enumerate(rs):
+                pos = len(s) - 1 + s.num_pending_tokens
+                if s.num_pending_tokens:
+                    if prev is None or s.seq_id not in prev.index or s.num_pending_tokens > 1:
+                        raise RuntimeError(f"sequence {s.seq_id}: its pending token is not in the step in flight")
+                    rows[r, i] = prev.index[s.seq_id][1]
+                else:
+                    tokens[r, i] = s.token_ids[-1]
+                positions[r, i], lens[r, i] = pos, pos + 1
+                slots[r, i] = self._slot(s, pos)
+                tables[r, i, :len(s.block_table)] = s.block_table
+                index[s.seq_id] = (r, i)
+        if (rows >= 0).any():
+            tokens = self._feed(prev.toks, rows, tokens)
+        elif self.mesh is not None:  # committed as the fed tokens are: one trace of the step, not one for each
+            tokens = jax.device_put(tokens, NamedSharding(self.mesh, RANK))
+        self.cache, sampled, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens,
+                                                               positions, slots, tables, lens,
+                                                               self._sampling_arrays(ranks, B),
+                                                               mode=SampleMode.of(s.params for s in seqs))
+        self._record(counts, dispatched)
+        for s in seqs:
+            s.num_pending_tokens += 1
+        return DecodeStep(list(seqs), sampled, index)
+
+    def read(self, step: DecodeStep) -> StepOutput:
+        """Waits for a dispatched decode step and returns its samples in ``step.seqs`` order (the
+        step's one device-to-host copy). The fed tokens' latents are now cached."""
+        out = self._gather(step.index, step.sampled, step.seqs)
+        for s in step.seqs:
+            s.num_pending_tokens -= 1
+            if s.block_table:  # not freed since it was dispatched (finished, aborted or preempted)
+                s.num_cached_tokens = len(s)  # up to the token this step fed
+        return out
+
+    def _record(self, counts, dispatched):
+        """Keeps the last step's expert statistics, on the device: the balancer reads them in batches,
+        so no step waits on a device-to-host copy for them."""
+        self.last_expert_counts = counts  # [ranks, L_moe, E]: tokens of each source rank
+        self.last_dispatched = dispatched  # [ranks, L_moe], measured in the dispatch
+
+    def set_routing(self, params, routing):
+        """Swaps in permuted expert weights and their placement tables (same shapes: no recompilation)."""
+        self.params, self.routing = params, routing
+
+    def score(self, token_ids: np.ndarray) -> np.ndarray:
+        """Logits [B, T, V]; on a mesh the prompts are split over the ranks (padded to a multiple)."""
+        B = token_ids.shape[0]
+        per = -(-B // self.num_ranks)
+        padded = np.zeros((self.num_ranks * per, token_ids.shape[1]), np.int32)
+        padded[:B] = token_ids
+        (logits,) = self._score(self.params, self.routing, padded.reshape(self.num_ranks, per, -1))
+        return np.asarray(to_host(logits)).reshape(self.num_ranks * per, *logits.shape[2:])[:B]
