@@ -428,6 +428,8 @@ class ModelRunner:
                              f"layers x >= {n} rows x {self.row_dim} values expected")
         padded = np.full(P, self.num_slots, np.int32)
         padded[:n] = slots
+        if self.mesh is not None:  # pulled onto one device: every rank's device sees them
+            rows = jax.device_put(rows, NamedSharding(self.mesh, REPLICATED))
         self.cache = self._import(self.cache, np.int32(rank), padded, rows)
 
     def _record(self, counts, dispatched):
