@@ -105,19 +105,28 @@ def can_add(engine, req: PrefilledRequest) -> bool:
     return engine.blocks.can_allocate(Sequence(req.token_ids, req.params, req.seed))
 
 
-def add_prefilled(engine, req: PrefilledRequest) -> Sequence:
-    """Adds ``req`` to ``engine``'s decode queue, its rows written into newly allocated blocks (after the
-    longest prefix cached there). Engine thread only. ValueError if it cannot fit this engine (rows of
-    another kind, too long); RuntimeError("no room") when there are no free blocks or slots now."""
+def check_fits(engine, req: PrefilledRequest) -> None:
+    """ValueError unless ``req`` can ever be added to ``engine``: rows of its cache's kind and width, a length
+    within max_model_len and the cache."""
     runner = engine.runner
     if req.rows is None:
         raise ValueError("the prefilled request has no rows")
     if len(req.token_ids) >= engine.max_model_len:
         raise ValueError(f"the request has {len(req.token_ids)} tokens; max_model_len is {engine.max_model_len}")
+    if engine.blocks.blocks_needed(len(req.token_ids) + 1) > engine.blocks.blocks_per_rank:
+        raise ValueError(f"the request has {len(req.token_ids)} tokens, more than the KV cache can hold")
     fp8 = runner.row_dtype == jax.numpy.float8_e4m3fn
     if (req.rows.dtype == jax.numpy.float8_e4m3fn) != fp8 or req.rows.shape[-1] != runner.row_dim:
         raise ValueError(f"rows of dtype {req.rows.dtype} x {req.rows.shape[-1]} do not fit this engine's cache "
                          f"({runner.row_dtype} x {runner.row_dim}): both sides need the same kv_cache_dtype")
+
+
+def add_prefilled(engine, req: PrefilledRequest) -> Sequence:
+    """Adds ``req`` to ``engine``'s decode queue, its rows written into newly allocated blocks (after the
+    longest prefix cached there). Engine thread only. ValueError if it cannot fit this engine (check_fits);
+    RuntimeError("no room") when there are no free blocks or slots now (can_add)."""
+    runner = engine.runner
+    check_fits(engine, req)
     if not can_add(engine, req):
         raise RuntimeError("no room: no free KV blocks or sequence slots on this engine now")
     seq = Sequence(req.token_ids, req.params, req.seed, req.request_id)
