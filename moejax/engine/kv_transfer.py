@@ -17,6 +17,7 @@ pull's thread is left behind (daemon) until its connection closes.
 
 from __future__ import annotations
 
+import datetime
 import secrets
 import threading
 import time
@@ -29,6 +30,8 @@ from jax.sharding import SingleDeviceSharding
 from moejax.engine.kv_handoff import PrefilledRequest
 
 DEFAULT_PULL_TIMEOUT_S = 30.0
+# Rows offered and never pulled (the request was aborted, or its pull failed) are dropped after this.
+DEFAULT_OFFER_TTL_S = 300.0
 
 
 class KVTransferFailed(RuntimeError):
@@ -46,12 +49,13 @@ class KVTransfer:
         self._lock = threading.Lock()
         self.num_offered = 0
 
-    def offer(self, rows: jax.Array) -> int:
-        """Registers ``rows`` for one pull; returns its uuid. The rows are held until pulled."""
+    def offer(self, rows: jax.Array, ttl_s: float = DEFAULT_OFFER_TTL_S) -> int:
+        """Registers ``rows`` for one pull; returns its uuid. The rows are held until pulled, or for ``ttl_s``
+        seconds (then a pull of the uuid finds nothing: KVTransferFailed at the puller's deadline)."""
         uuid = secrets.randbits(62)
         if len(rows.sharding.device_set) != 1:  # a mesh engine's rows: one device's copy is what is pulled
             rows = jax.device_put(rows, SingleDeviceSharding(self.device))
-        self.server.await_pull(uuid, [rows])
+        self.server.await_pull(uuid, [rows], timeout=datetime.datetime.now() + datetime.timedelta(seconds=ttl_s))
         self.num_offered += 1
         return uuid
 

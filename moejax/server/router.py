@@ -10,7 +10,10 @@ A request: (1) the least-loaded live prefill worker (fewest requests in flight f
 prefills it and answers its first token and, unless that token ended it, the prefilled request's
 metadata, its cache rows offered through jax.experimental.transfer (worker.py, kv_transfer.py);
 (2) the least-loaded decode worker pulls the rows into its own cache (a worker with no room parks
-the request until it has) and streams the rest of the tokens. A failed or late pull (502
+the request until it has) and streams the rest of the tokens. The first token goes to the client
+once the pull succeeded: a re-queued request's new prefill may sample another first token (a
+prefix-cache hit computes the prompt from cached, maybe FP8, rows), and the one sent must be the
+one its decode continues from. A failed or late pull (502
 ``kv_transfer_failed``) or a worker that cannot be reached before the decode began re-queues the
 request: it is prefilled again (its seed is fixed here, when the client gives none, so the tokens
 do not change), up to MAX_ATTEMPTS times. A worker process that exits is reported: /health
@@ -162,6 +165,12 @@ class Router:
                 return
             await asyncio.sleep(MONITOR_S)
 
+    def _gauges(self) -> None:
+        """vllm:num_requests_running / _waiting: requests being decoded / prefilled (or transferred)."""
+        with self.metrics.lock:
+            self.metrics.running = sum(w.inflight for w in self.decode)
+            self.metrics.waiting = sum(w.inflight for w in self.prefill)
+
     def _pick(self, workers: list[WorkerHandle]) -> WorkerHandle:
         live = [w for w in workers if w.check() is None]
         if not live:
@@ -190,6 +199,7 @@ class Router:
     async def _prefill(self, stream: RequestStream) -> dict:
         w = self._pick(self.prefill)
         w.inflight += 1
+        self._gauges()
         body = {"prompt_ids": stream.prompt_ids, "params": dataclasses.asdict(stream.params)}
         try:
             async with self._session.post(w.url + "/internal/prefill", json=body) as r:
@@ -198,17 +208,20 @@ class Router:
             raise WorkerGone(f"{w.name}: {type(e).__name__}: {e}") from None
         finally:
             w.inflight -= 1
+            self._gauges()
         if r.status == 400:
             raise _Rejected(data.get("error", {}).get("message", "rejected"))
         if r.status != 200:
             raise WorkerGone(f"{w.name} answered {r.status}: {data.get('error', {}).get('message')}")
         return data
 
-    async def _decode(self, stream: RequestStream, prefilled: dict) -> bool:
-        """Streams the decode worker's events into ``stream``. False when the request must be re-queued
-        (the pull failed, or the worker could not be reached before its first event)."""
+    async def _decode(self, stream: RequestStream, prefilled: dict, first: TokenEvent) -> bool:
+        """Streams ``first`` (the prefill's token, once the rows are pulled) and the decode worker's events
+        into ``stream``. False when the request must be re-queued (the pull failed, or the worker could
+        not be reached before the pull was done): nothing was sent then."""
         w = self._pick(self.decode)
         w.inflight += 1
+        self._gauges()
         started = False
         try:
             async with self._session.post(w.url + "/internal/decode", json={"prefilled": prefilled}) as r:
@@ -226,8 +239,9 @@ class Router:
                     d = json.loads(line)
                     if "transfer" in d:
                         self.metrics.on_kv_transfer(d["transfer"]["seconds"], d["transfer"]["bytes"])
+                        started = True
+                        self._emit(stream, first)
                         continue
-                    started = True
                     ev = event_from_json(d)
                     self._emit(stream, ev)
                     if ev.finish_reason is not None or ev.error is not None:
@@ -240,9 +254,9 @@ class Router:
             return True
         finally:
             w.inflight -= 1
+            self._gauges()
 
     async def _serve(self, stream: RequestStream) -> None:
-        emitted_first = False
         try:
             for attempt in range(self.max_attempts):
                 if attempt:
@@ -259,12 +273,11 @@ class Router:
                     continue
                 if not stream.accepted.done():
                     stream.accepted.set_result(True)
-                if not emitted_first:  # a re-prefill samples the same first token (fixed seed)
-                    self._emit(stream, event_from_json(data["event"]))
-                    emitted_first = True
+                first = event_from_json(data["event"])
                 if "prefilled" not in data:
+                    self._emit(stream, first)
                     return  # its first token finished it
-                if await self._decode(stream, data["prefilled"]):
+                if await self._decode(stream, data["prefilled"], first):
                     return
             msg = f"the request failed {self.max_attempts} times (KV transfer or worker failure)"
             if not stream.accepted.done():

@@ -2,7 +2,8 @@
 /metrics) plus the internal routes its router (router.py) calls.
 
   GET  /internal/info     role, max_model_len, vocab size, the transfer server's address
-  GET  /internal/load     requests in flight, free KV blocks (the router balances on it)
+  GET  /internal/load     requests in flight, free KV blocks (for operators: the router balances on
+                          its own count of requests in flight on each worker)
   POST /internal/prefill  (prefill role) {"prompt_ids", "params"} -> the first token's event and, unless
                           it ended the request, the prefilled request's metadata (kv_handoff.py), its
                           cache rows offered for one pull (kv_transfer.py)
