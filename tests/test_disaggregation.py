@@ -36,11 +36,13 @@ def tiny_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(tiny_path):
     """kv dtype -> (A, B): A prefills (block 16) and, alone, is the colocated reference (no prefix cache,
-    so its second run of a prompt is computed as its first); B decodes (block 4 or 8, prefix cache on)."""
-    def pair(kv, b_block):
+    so its second run of a prompt is computed as its first); B decodes (block 4 with async scheduling,
+    or 8; prefix cache on)."""
+    def pair(kv, b_block, b_async):
         a = moejax.load(tiny_path, block_size=16, kv_cache_dtype=kv, enable_prefix_caching=False, **KW).engine
-        return a, moejax.load(tiny_path, block_size=b_block, kv_cache_dtype=kv, **KW).engine
-    return {"auto": pair("auto", 4), "fp8": pair("fp8", 8)}
+        return a, moejax.load(tiny_path, block_size=b_block, kv_cache_dtype=kv, async_scheduling=b_async,
+                              **KW).engine
+    return {"auto": pair("auto", 4, True), "fp8": pair("fp8", 8, False)}
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +116,10 @@ def _assert_same(got, want, exact_logprobs):
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_handoff_gives_colocated_tokens(engines, kv):
-    """Reference: engine A alone. Prefilled on A (block 16), decoded on B (block 4 / 8): the same token ids,
-    top-logprob tokens, finish reasons and texts for greedy and seeded sampling (FP8: logprobs bit-equal;
-    float32: within 1e-5, B's decode batches are padded differently); B's prefix cache serves the shared
-    prompt prefix; export/import compile once per row bucket."""
+    """Reference: engine A alone. Prefilled on A (block 16), decoded on B (block 4 with async scheduling, or
+    8): the same token ids, top-logprob tokens, finish reasons and texts for greedy and seeded sampling
+    (FP8: logprobs bit-equal; float32: within 1e-5, B's decode batches are padded differently); B's prefix
+    cache serves the shared prompt prefix; export/import compile once per row bucket."""
     a, b = engines[kv]
     prompts, params = _requests(np.random.default_rng())
     want = _colocated(a, prompts, params)
