@@ -5,6 +5,7 @@ between two processes (kv_transfer.py, jax.experimental.transfer) arrive bit for
 raises KVTransferFailed within its deadline and the request, prefilled again, completes with the
 colocated engine's tokens."""
 
+import asyncio
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ import moejax
 from moejax.engine.kv_handoff import PrefilledRequest, add_prefilled, take_prefilled
 from moejax.engine.kv_transfer import KVTransfer, KVTransferFailed
 from moejax.engine.sampling_params import SamplingParams
+from moejax.server.async_engine import AsyncEngine
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
@@ -65,15 +67,16 @@ def worker(tiny_path):
 
 def _requests(rng, n=5):
     """Greedy and seeded requests alternating (logprobs and top logprobs asked); prompt 1 shares prompt 0's
-    first 20 tokens (a prefix-cache hit on the decode side); one request has a stop string."""
+    first 20 tokens (a prefix-cache hit on the decode side: neither ends at its first token); one request
+    has a stop string."""
     prompts = [rng.integers(2, 320, size=int(rng.integers(3, 40))).tolist() for _ in range(n)]
     prompts[0] = rng.integers(2, 320, size=30).tolist()
     prompts[1] = prompts[0][:20] + prompts[1]
     params = []
     for i in range(n):
         sample = dict(temperature=0.9, top_p=0.85, top_k=40, seed=int(rng.integers(1 << 30))) if i % 2 else {}
-        params.append(SamplingParams(max_new_tokens=int(rng.integers(2 if i == 0 else 1, 16)), logprobs=True, top_logprobs=2,
-                                     ignore_eos=True, stop=["zz"] if i == 3 else [], **sample))
+        params.append(SamplingParams(max_new_tokens=int(rng.integers(2 if i < 2 else 1, 16)), logprobs=True,
+                                     top_logprobs=2, ignore_eos=True, stop=["zz"] if i == 3 else [], **sample))
     return prompts, params
 
 
@@ -211,3 +214,45 @@ def test_prefill_process_to_decode_engine_and_failed_pull_requeued(worker, engin
 
 def _params_json(sp: SamplingParams) -> dict:
     return {k: getattr(sp, k) for k in sp.__dataclass_fields__}
+
+
+def test_async_engines_hand_over_and_park_without_room(engines):
+    """Reference: engine A alone. Through the server's engine threads (AsyncEngine: handoff requests on A,
+    prefilled ones on B), 10 requests at once into B's 8 sequence slots: those without room are parked,
+    not dropped, and every request gives A's tokens (the first from A, the rest from B)."""
+    a, b = engines["auto"]
+    rng = np.random.default_rng()
+    prompts = [rng.integers(2, 320, size=int(rng.integers(3, 20))).tolist() for _ in range(10)]
+    params = [SamplingParams(max_new_tokens=int(rng.integers(4, 9)), ignore_eos=True,
+                             **(dict(temperature=0.8, seed=int(rng.integers(1 << 30))) if i % 2 else {}))
+              for i in range(10)]
+    want = [r[0] for r in _colocated(a, prompts, params)]
+
+    async def run():
+        pa, pb = AsyncEngine(a).start(), AsyncEngine(b).start()
+        try:
+            firsts, handoffs = [], []
+            for p, sp in zip(prompts, params):
+                ev = await (await pa.add_request(p, sp, handoff=True)).get(120)
+                assert ev is not None and ev.handoff is not None and ev.finish_reason is None
+                firsts.append(ev.token_id)
+                handoffs.append(ev.handoff)
+            streams = [await pb.add_request(h.token_ids, h.params, prefilled=h) for h in handoffs]
+            outs = []
+            for first, st in zip(firsts, streams):
+                toks = [first]
+                while True:
+                    ev = await st.get(120)
+                    assert ev is not None and ev.error is None
+                    toks.append(ev.token_id)
+                    if ev.finish_reason is not None:
+                        break
+                outs.append(toks)
+            return outs, pb.num_parked
+        finally:
+            pa.shutdown()
+            pb.shutdown()
+
+    outs, parked = asyncio.run(run())
+    assert outs == want
+    assert parked >= 2

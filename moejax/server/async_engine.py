@@ -124,6 +124,7 @@ class AsyncEngine:
         self.error: str | None = None
         self._failures = 0  # consecutive failed steps
         self._parked: list[RequestStream] = []  # prefilled requests waiting for room (engine thread only)
+        self.num_parked = 0  # prefilled requests that had to wait for room, ever
         self._thread = threading.Thread(target=self._run, name="moejax-engine", daemon=True)
 
     # ----- event-loop side ---------------------------------------------------------
@@ -177,6 +178,7 @@ class AsyncEngine:
                 return
             if not can_add(self.engine, stream.prefilled):
                 self._parked.append(stream)  # accepted; added once there is room
+                self.num_parked += 1
                 stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
                 return
             stream.seq = add_prefilled(self.engine, stream.prefilled)
