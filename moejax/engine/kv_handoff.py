@@ -81,7 +81,8 @@ def _slots(block_table: list[int], block_size: int, start: int, stop: int) -> np
 def take_prefilled(engine, seq: Sequence) -> PrefilledRequest:
     """Takes ``seq`` (prefilled, its first token sampled, not finished) out of ``engine`` with its rows.
     Engine thread only; the sequence is left finished in this engine (finish_reason "handoff")."""
-    if seq.is_finished or seq.status != Status.RUNNING or seq.num_cached_tokens < len(seq) - 1 or seq.num_output_tokens < 1:
+    prefilled = seq.num_cached_tokens >= len(seq) - 1 and seq.num_output_tokens >= 1
+    if seq.is_finished or seq.status != Status.RUNNING or not prefilled:
         raise ValueError(f"sequence {seq.seq_id} is not a prefilled running sequence (status {seq.status.value}, "
                          f"{seq.num_output_tokens} output tokens)")
     if seq.num_pending_tokens:

@@ -189,9 +189,8 @@ class Router:
                 self.metrics.on_token(now - stream.last_token_time)
             stream.last_token_time = now
         if ev.finish_reason is not None:
-            self.metrics.on_finish(ev.finish_reason, now - stream.arrival,
-                                   None if stream.first_token_time is None else stream.first_token_time - stream.arrival,
-                                   stream.num_output)
+            ttft = None if stream.first_token_time is None else stream.first_token_time - stream.arrival
+            self.metrics.on_finish(ev.finish_reason, now - stream.arrival, ttft, stream.num_output)
         elif ev.error is not None:
             self.metrics.on_error()
         stream.queue.put_nowait(ev)
