@@ -29,6 +29,7 @@ import json
 import random
 import subprocess
 import time
+import traceback
 
 import aiohttp
 
@@ -227,9 +228,10 @@ class Router:
                 if r.status != 200:
                     data = await r.json(content_type=None)
                     err = data.get("error", {})
-                    if err.get("code") == "kv_transfer_failed" or r.status >= 500:
+                    if err.get("code") == "kv_transfer_failed":
                         self.metrics.on_kv_transfer_failed()
-                        return False
+                    if err.get("code") == "kv_transfer_failed" or r.status >= 500:
+                        return False  # re-queued: nothing was sent for this try
                     self._emit(stream, TokenEvent(error=f"{w.name}: {err.get('message')}", status=r.status))
                     return True
                 async for line in r.content:
@@ -246,7 +248,7 @@ class Router:
                     if ev.finish_reason is not None or ev.error is not None:
                         return True
             raise WorkerGone(f"{w.name} ended the stream before the request finished")
-        except (aiohttp.ClientError, asyncio.TimeoutError, WorkerGone) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, WorkerGone) as e:
             if not started:
                 return False
             self._emit(stream, TokenEvent(error=f"the decode worker failed mid-request: {e}"[:500], status=503))
@@ -288,4 +290,11 @@ class Router:
                 stream.accepted.set_exception(EngineDeadError(str(e)))
             else:
                 self._emit(stream, TokenEvent(error=str(e), status=503))
+        except Exception as e:  # noqa: BLE001 - a router bug fails this request, never hangs it
+            traceback.print_exc()
+            msg = f"the router failed on this request: {type(e).__name__}: {e}"[:500]
+            if not stream.accepted.done():
+                stream.accepted.set_exception(EngineDeadError(msg))
+            else:
+                self._emit(stream, TokenEvent(error=msg, status=500))
 
