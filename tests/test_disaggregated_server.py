@@ -137,12 +137,20 @@ def test_bad_request_is_an_openai_error(disagg):
 
 
 def test_dead_worker_reported(router, disagg):
-    """Invariant: a killed decode worker is reported: /health 503 with a JSON error naming it
-    (no hang), and the router process exits non-zero."""
+    """Invariant: a decode worker killed mid-stream is reported: the stream in flight ends with an
+    OpenAI-style error event and [DONE] (no hang), /health answers 503 with a JSON error naming the
+    worker, and the router process exits non-zero."""
     proc, url = router
     kids = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout
     decode_pid = next(int(line.split()[0]) for line in kids.splitlines() if "--role decode" in line)
-    os.kill(decode_pid, signal.SIGKILL)
+    body = json.dumps({"model": NAME, "prompt": [5, 6, 7], "max_tokens": MAX_LEN - 8, "temperature": 0,
+                       "stream": True, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.readline().startswith(b"data: {")  # streaming: the worker holds the request now
+        os.kill(decode_pid, signal.SIGKILL)
+        events = [line[6:].strip() for line in r.read().split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and "error" in json.loads(events[-2]), events[-3:]
     deadline = time.monotonic() + 20
     while True:
         status, body = _get(url + "/health")
