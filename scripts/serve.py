@@ -96,12 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices of each prefill worker, ';' between workers (e.g. '0,1;2,3'): its "
                         "CUDA_VISIBLE_DEVICES; default: every worker sees every device")
     d.add_argument("--decode-devices", default="", help="the same for decode workers")
+    d.add_argument("--prefill-urls", default="",
+                   help="comma list of prefill workers started elsewhere (scripts/serve.py --role prefill --host H "
+                        "--port P, on any host), used instead of starting --prefill-workers")
+    d.add_argument("--decode-urls", default="", help="the same for decode workers")
     d.add_argument("--kv-pull-timeout", type=float, default=30.0,
                    help="seconds a decode worker's pull of a request's KV cache may take; later, the request is "
                         "prefilled again")
     d.add_argument("--worker-start-timeout", type=float, default=900.0,
                    help="seconds a worker may take to load and answer")
-    d.add_argument("--role", choices=["prefill", "decode"], help=argparse.SUPPRESS)  # a worker (started by the router)
+    d.add_argument("--role", choices=["prefill", "decode"],
+                   help="serve as a disaggregated worker of this role (the router starts them; or start one "
+                        "yourself and give its URL to the router's --prefill-urls / --decode-urls)")
     d.add_argument("--inject-kv-transfer-failures", type=int, default=0, help=argparse.SUPPRESS)  # tests
     return ap
 
@@ -179,6 +185,9 @@ def serve_worker(a: argparse.Namespace, path: str, name: str, kw: dict) -> int:
     from moejax.server.app import make_app
     from moejax.server.lifecycle import Server
     from moejax.server.worker import WorkerConfig, add_worker_routes
+    if int(os.environ.get("MOEJAX_NUM_PROCESSES") or 1) > 1:
+        raise SystemExit("a disaggregated worker is one process (with any number of devices): worker groups of "
+                         "several processes (moejax.launch --nproc > 1) are not supported yet")
     model = moejax.load(path, **kw)
     xfer = KVTransfer(host=a.host)
     app, _ = make_app(model, name, policy=AccessPolicy(bind_host=a.host))
@@ -227,8 +236,12 @@ def start_workers(a: argparse.Namespace):
     from moejax.server.app import free_port
     from moejax.server.router import WorkerHandle
     handles = {"prefill": [], "decode": []}
-    for role, n, devs in (("prefill", a.prefill_workers, a.prefill_devices), ("decode", a.decode_workers,
-                                                                               a.decode_devices)):
+    for role, n, devs, urls in (("prefill", a.prefill_workers, a.prefill_devices, a.prefill_urls),
+                                ("decode", a.decode_workers, a.decode_devices, a.decode_urls)):
+        urls = [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
+        if urls:  # started elsewhere: only their URLs are known
+            handles[role] = [WorkerHandle(role, i, u) for i, u in enumerate(urls)]
+            continue
         if n < 1:
             raise SystemExit(f"--{role}-workers must be at least 1, got {n}")
         for i, group in enumerate(_device_groups(devs, n, f"--{role}-devices")):
@@ -260,6 +273,7 @@ def start_workers(a: argparse.Namespace):
 def stop_workers(workers, timeout: float = 30.0) -> None:
     """SIGTERM (they drain), then SIGKILL for any still running after ``timeout``."""
     import subprocess
+    workers = [w for w in workers if w.proc is not None]  # those started elsewhere are left alone
     for w in workers:
         if w.proc.poll() is None:
             w.proc.terminate()
@@ -295,6 +309,7 @@ def serve_disaggregated(a: argparse.Namespace, path: str, name: str) -> int:
         async def _close(_app):
             await router.aclose()
 
+        app.on_startup.append(router.on_startup)
         app.on_cleanup.append(_close)
         print(f"Serving {name} on http://{a.host}:{a.port}: disaggregated, {len(prefill)} prefill and "
               f"{len(decode)} decode worker(s) (max_model_len={max_len})", flush=True)

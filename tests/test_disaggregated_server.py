@@ -1,8 +1,8 @@
-"""scripts/serve.py --disaggregated (1 prefill + 1 decode worker process, the router in front) against the
-colocated server of the same checkpoint: the same token ids, texts, finish reasons and logprobs for greedy
-and seeded sampling, plain and streamed (chunks, usage); the decode worker's first pull is made to fail
-(--inject-kv-transfer-failures 1) and that request is re-queued and still completes with the colocated
-tokens; /metrics counts the transfers, their bytes and the failure; a killed worker is reported (/health
+"""scripts/serve.py --disaggregated (1 prefill worker process it starts, 1 decode worker process given by
+URL, the router in front) against the colocated server of the same checkpoint: the same token ids, texts,
+finish reasons and logprobs for greedy and seeded sampling, plain and streamed (chunks, usage); the decode
+worker's first pull is made to fail (--inject-kv-transfer-failures 1) and that request is re-queued and
+still completes with the colocated tokens; /metrics counts the transfers, their bytes and the failure; a killed worker is reported (/health
 503, an OpenAI-style JSON error naming it) and the router exits non-zero instead of hanging."""
 
 import json
@@ -51,30 +51,41 @@ def _get(url):
         return e.code, e.read()
 
 
-@pytest.fixture(scope="module")
-def router(tiny_path):
-    """The disaggregated server as a process: (its Popen, its URL). The decode worker has another block size."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--model", tiny_path,
-                             "--served-model-name", NAME, "--dtype", "float32", "--max-model-len", str(MAX_LEN),
-                             "--max-num-seqs", "8", "--decode-block-size", "8", "--disaggregated", "--port", str(port),
-                             "--inject-kv-transfer-failures", "1", "--shutdown-timeout", "5"],
-                            env={**os.environ, "PYTHONPATH": ROOT})
-    url = f"http://127.0.0.1:{port}"
+def _wait_up(proc, url, what):
     deadline = time.monotonic() + 180
     while True:
-        assert proc.poll() is None, f"the router exited with {proc.returncode}"
+        assert proc.poll() is None, f"{what} exited with {proc.returncode}"
         try:
             if _get(url + "/health")[0] == 200:
-                break
+                return
         except OSError:
             pass
-        assert time.monotonic() < deadline, "the disaggregated server did not start"
+        assert time.monotonic() < deadline, f"{what} did not start"
         time.sleep(0.5)
-    yield proc, url
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def router(tiny_path):
+    """The disaggregated server as processes: (the router's Popen, its URL, the decode worker's Popen). The
+    router starts its prefill worker; the decode worker (block size 8, its first pull made to fail) is
+    started here and given to the router by URL (--decode-urls): both ways of having workers."""
+    serve = os.path.join(ROOT, "scripts", "serve.py")
+    common = ["--model", tiny_path, "--served-model-name", NAME, "--dtype", "float32", "--max-model-len",
+              str(MAX_LEN), "--max-num-seqs", "8", "--shutdown-timeout", "5"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    dport, port = free_port(), free_port()
+    decode = subprocess.Popen([sys.executable, serve, *common, "--role", "decode", "--block-size", "8",
+                               "--port", str(dport), "--inject-kv-transfer-failures", "1"], env=env)
+    durl, url = f"http://127.0.0.1:{dport}", f"http://127.0.0.1:{port}"
+    _wait_up(decode, durl, "the decode worker")
+    proc = subprocess.Popen([sys.executable, serve, *common, "--disaggregated", "--decode-urls", durl,
+                             "--port", str(port)], env=env)
+    _wait_up(proc, url, "the router")
+    yield proc, url, decode
+    for p in (proc, decode):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(60)
 
 
 @pytest.fixture(scope="module")
@@ -139,16 +150,14 @@ def test_bad_request_is_an_openai_error(disagg):
 def test_dead_worker_reported(router, disagg):
     """Invariant: a decode worker killed mid-stream is reported: the stream in flight ends with an
     OpenAI-style error event and [DONE] (no hang), /health answers 503 with a JSON error naming the
-    worker, and the router process exits non-zero."""
-    proc, url = router
-    kids = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout
-    decode_pid = next(int(line.split()[0]) for line in kids.splitlines() if "--role decode" in line)
+    worker (known by its URL: failed health checks), and the router process exits non-zero."""
+    proc, url, decode = router
     body = json.dumps({"model": NAME, "prompt": [5, 6, 7], "max_tokens": MAX_LEN - 8, "temperature": 0,
                        "stream": True, "ignore_eos": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.readline().startswith(b"data: {")  # streaming: the worker holds the request now
-        os.kill(decode_pid, signal.SIGKILL)
+        decode.kill()
         events = [line[6:].strip() for line in r.read().split(b"\n") if line.startswith(b"data: ")]
     assert events[-1] == b"[DONE]" and "error" in json.loads(events[-2]), events[-3:]
     deadline = time.monotonic() + 20

@@ -13,12 +13,14 @@ metadata, its cache rows offered through jax.experimental.transfer (worker.py, k
 the request until it has) and streams the rest of the tokens. The first token goes to the client
 once the pull succeeded: a re-queued request's new prefill may sample another first token (a
 prefix-cache hit computes the prompt from cached, maybe FP8, rows), and the one sent must be the
-one its decode continues from. A failed or late pull (502
-``kv_transfer_failed``) or a worker that cannot be reached before the decode began re-queues the
-request: it is prefilled again (its seed is fixed here, when the client gives none, so the tokens
-do not change), up to MAX_ATTEMPTS times. A worker process that exits is reported: /health
-answers 503 naming it, every request it held gets a 503 error event, and the router process exits
-non-zero (lifecycle.py), as a colocated server whose engine died.
+one its decode continues from. A failed or late pull (502 ``kv_transfer_failed``) or a worker that
+cannot be reached before the decode began re-queues the request: it is prefilled again (its seed is
+fixed here, when the client gives none, so the tokens do not change), up to MAX_ATTEMPTS times.
+
+A worker process that exits (or, for a worker started elsewhere and known by its URL only, fails
+HEALTH_FAILURES health checks in a row) is reported: /health answers 503 naming it, every request
+it held gets a 503 error event, and the router process exits non-zero (lifecycle.py), as a
+colocated server whose engine died.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from moejax.server.worker import event_from_json
 
 MAX_ATTEMPTS = 3  # prefills of one request (the first and two re-queues) before it fails with 503
 MONITOR_S = 0.5  # how often worker processes are checked
+HEALTH_TIMEOUT_S = 2.0  # a worker known by its URL only: its /health must answer within this ...
+HEALTH_FAILURES = 3  # ... or, after this many failed checks in a row, it is dead
 
 
 class WorkerGone(RuntimeError):
@@ -51,9 +55,10 @@ class WorkerHandle:
     role: str
     index: int
     url: str
-    proc: subprocess.Popen | None = None  # None: started elsewhere (only its URL is known)
+    proc: subprocess.Popen | None = None  # None: started elsewhere (only its URL is known: /health is polled)
     inflight: int = 0  # requests of this router on it now
     dead: str | None = None
+    failed_checks: int = 0  # consecutive failed /health checks (a worker known by its URL only)
 
     @property
     def name(self) -> str:
@@ -93,6 +98,10 @@ class Router:
     # ----- the AsyncEngine interface app.py and lifecycle.py use ------------------------
     def start(self) -> Router:
         return self
+
+    async def on_startup(self, _app=None) -> None:
+        """The app's startup: the HTTP client and the worker monitor start with the event loop."""
+        self._ensure_started()
 
     @property
     def is_alive(self) -> bool:
@@ -153,9 +162,24 @@ class Router:
             if why is not None and self.error is None:
                 self.error = why
 
+    async def _probe(self, w: WorkerHandle) -> None:
+        """One /health check of a worker known by its URL only."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+            async with self._session.get(w.url + "/health", timeout=timeout) as r:
+                ok, why = r.status == 200, f"/health answered {r.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
+        w.failed_checks = 0 if ok else w.failed_checks + 1
+        if w.failed_checks >= HEALTH_FAILURES and w.dead is None:
+            w.dead = f"{w.name} failed {w.failed_checks} health checks in a row ({why})"[:500]
+
     async def _watch(self) -> None:
         """Fails every stream held by a worker whose process exited (their HTTP calls may never end)."""
         while not self._stopped:
+            remote = [w for w in [*self.prefill, *self.decode] if w.proc is None and w.dead is None]
+            if remote:
+                await asyncio.gather(*(self._probe(w) for w in remote))
             self._check_workers()
             if self.error is not None:
                 for stream, task in list(self._tasks.items()):
