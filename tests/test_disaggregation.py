@@ -5,7 +5,6 @@ between two processes (kv_transfer.py, jax.experimental.transfer) arrive bit for
 raises KVTransferFailed within its deadline and the request, prefilled again, completes with the
 colocated engine's tokens."""
 
-import asyncio
 import hashlib
 import json
 import os
@@ -22,7 +21,6 @@ import moejax
 from moejax.engine.kv_handoff import PrefilledRequest, add_prefilled, take_prefilled
 from moejax.engine.kv_transfer import KVTransfer, KVTransferFailed
 from moejax.engine.sampling_params import SamplingParams
-from moejax.server.async_engine import AsyncEngine
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
@@ -215,44 +213,3 @@ def test_prefill_process_to_decode_engine_and_failed_pull_requeued(worker, engin
 def _params_json(sp: SamplingParams) -> dict:
     return {k: getattr(sp, k) for k in sp.__dataclass_fields__}
 
-
-def test_async_engines_hand_over_and_park_without_room(engines):
-    """Reference: engine A alone. Through the server's engine threads (AsyncEngine: handoff requests on A,
-    prefilled ones on B), 10 requests at once into B's 8 sequence slots: those without room are parked,
-    not dropped, and every request gives A's tokens (the first from A, the rest from B)."""
-    a, b = engines["auto"]
-    rng = np.random.default_rng()
-    prompts = [rng.integers(2, 320, size=int(rng.integers(3, 20))).tolist() for _ in range(10)]
-    params = [SamplingParams(max_new_tokens=int(rng.integers(4, 9)), ignore_eos=True,
-                             **(dict(temperature=0.8, seed=int(rng.integers(1 << 30))) if i % 2 else {}))
-              for i in range(10)]
-    want = [r[0] for r in _colocated(a, prompts, params)]
-
-    async def run():
-        pa, pb = AsyncEngine(a).start(), AsyncEngine(b).start()
-        try:
-            firsts, handoffs = [], []
-            for p, sp in zip(prompts, params):
-                ev = await (await pa.add_request(p, sp, handoff=True)).get(120)
-                assert ev is not None and ev.handoff is not None and ev.finish_reason is None
-                firsts.append(ev.token_id)
-                handoffs.append(ev.handoff)
-            streams = [await pb.add_request(h.token_ids, h.params, prefilled=h) for h in handoffs]
-            outs = []
-            for first, st in zip(firsts, streams):
-                toks = [first]
-                while True:
-                    ev = await st.get(120)
-                    assert ev is not None and ev.error is None
-                    toks.append(ev.token_id)
-                    if ev.finish_reason is not None:
-                        break
-                outs.append(toks)
-            return outs, pb.num_parked
-        finally:
-            pa.shutdown()
-            pb.shutdown()
-
-    outs, parked = asyncio.run(run())
-    assert outs == want
-    assert parked >= 2

@@ -1,6 +1,10 @@
 """Prefill/decode handoff (kv_handoff.py) between engines of different parallel layouts: a dp2-ep2 mesh
 engine (its cache sharded over 2 ranks on 2 of the host devices) and a one-device engine, each way round,
-give the colocated engine's tokens for greedy and seeded sampling, with different block sizes."""
+give the colocated engine's tokens for greedy and seeded sampling, with different block sizes; through
+the server's engine threads (AsyncEngine handoff / prefilled requests) a decode engine without room
+parks requests, never drops them."""
+
+import asyncio
 
 import numpy as np
 import pytest
@@ -8,6 +12,7 @@ import pytest
 import moejax
 from moejax.engine.kv_handoff import add_prefilled, take_prefilled
 from moejax.engine.sampling_params import SamplingParams
+from moejax.server.async_engine import AsyncEngine
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
@@ -71,3 +76,46 @@ class _RankSpy:
     def step(self):
         self._ranks.update(s.dp_rank for s in self._engine.scheduler.running)
         return self._engine.step()
+
+
+def test_engine_threads_hand_over_and_park_without_room(engines):
+    """Reference: the mesh engine alone (colocated). Through the server's engine threads (AsyncEngine:
+    handoff requests on the mesh engine, prefilled ones on the one-device engine), 6 requests at once into
+    the decode engine's 4 sequence slots: those without room are parked, not dropped, and every request
+    gives the colocated tokens (the first from the prefill engine, the rest from the decode engine)."""
+    mesh, plain = engines
+    rng = np.random.default_rng()
+    prompts = [rng.integers(2, 320, size=int(rng.integers(3, 20))).tolist() for _ in range(6)]
+    params = [SamplingParams(max_new_tokens=int(rng.integers(4, 9)), ignore_eos=True,
+                             **(dict(temperature=0.8, seed=int(rng.integers(1 << 30))) if i % 2 else {}))
+              for i in range(6)]
+    want = _run(mesh, prompts, params)
+
+    async def run():
+        pa, pb = AsyncEngine(mesh).start(), AsyncEngine(plain).start()
+        try:
+            firsts, handoffs = [], []
+            for p, sp in zip(prompts, params):
+                ev = await (await pa.add_request(p, sp, handoff=True)).get(120)
+                assert ev is not None and ev.handoff is not None and ev.finish_reason is None
+                firsts.append(ev.token_id)
+                handoffs.append(ev.handoff)
+            streams = [await pb.add_request(h.token_ids, h.params, prefilled=h) for h in handoffs]
+            outs = []
+            for first, st in zip(firsts, streams):
+                toks = [first]
+                while True:
+                    ev = await st.get(120)
+                    assert ev is not None and ev.error is None
+                    toks.append(ev.token_id)
+                    if ev.finish_reason is not None:
+                        break
+                outs.append(toks)
+            return outs, pb.num_parked
+        finally:
+            pa.shutdown()
+            pb.shutdown()
+
+    outs, parked = asyncio.run(run())
+    assert outs == want
+    assert parked >= 2
