@@ -181,7 +181,14 @@ class AsyncEngine:
                 self.num_parked += 1
                 stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
                 return
-            stream.seq = add_prefilled(self.engine, stream.prefilled)
+            try:
+                stream.seq = add_prefilled(self.engine, stream.prefilled)
+            except Exception as e:  # noqa: BLE001 - fails this request only (it may be accepted already)
+                traceback.print_exc()
+                stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
+                stream.loop.call_soon_threadsafe(_deliver, [(stream, TokenEvent(
+                    error=f"adding the prefilled request failed: {type(e).__name__}: {e}"[:500]))])
+                return
             stream.prefilled.rows = None  # in the cache now
             stream.arrival = stream.first_token_time = stream.last_token_time = time.perf_counter()
             stream.num_output = stream.seq.num_output_tokens
