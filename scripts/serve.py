@@ -12,6 +12,13 @@ Several processes (one per GPU or group of devices; docs/multiprocess.md):
 Process 0 is the HTTP front end and forwards each engine step to the others, which step with it.
 A process that dies makes /health answer 503 and the server exit non-zero within --peer-timeout s.
 
+Prefill/decode disaggregation (docs/disaggregation.md): worker processes of two roles, each with its own
+devices and parallel layout, one OpenAI front end routing requests (prefill worker, then decode worker;
+the latent KV cache moved between them by jax.experimental.transfer):
+
+  python scripts/serve.py --model /path/to/DeepSeek-V3 --disaggregated --prefill-workers 1 --decode-workers 1 \
+      --prefill-parallel dp4-ep4 --prefill-devices 0,1,2,3 --decode-parallel dp4-ep4 --decode-devices 4,5,6,7
+
 Endpoints: /v1/completions, /v1/chat/completions (SSE streaming, stream_options.include_usage),
 /v1/models, /health, /metrics (Prometheus, vLLM metric names + moejax decode-only throughput).
 
@@ -76,6 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-timeout", type=float, default=10.0,
                     help="multi-process: seconds without a heartbeat after which process 0 declares another "
                          "process dead (/health 503, exit 1)")
+    d = ap.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    d.add_argument("--disaggregated", action="store_true",
+                   help="start prefill and decode worker processes and serve as their router")
+    d.add_argument("--prefill-workers", type=int, default=1)
+    d.add_argument("--decode-workers", type=int, default=1)
+    d.add_argument("--prefill-parallel", help="each prefill worker's parallel layout (default: --parallel)")
+    d.add_argument("--decode-parallel", help="each decode worker's parallel layout (default: --parallel)")
+    d.add_argument("--prefill-block-size", type=int, help="prefill workers' KV block size (default: --block-size)")
+    d.add_argument("--decode-block-size", type=int, help="decode workers' KV block size (default: --block-size)")
+    d.add_argument("--prefill-devices", default="",
+                   help="devices of each prefill worker, ';' between workers (e.g. '0,1;2,3'): its "
+                        "CUDA_VISIBLE_DEVICES; default: every worker sees every device")
+    d.add_argument("--decode-devices", default="", help="the same for decode workers")
+    d.add_argument("--prefill-urls", default="",
+                   help="comma list of prefill workers started elsewhere (scripts/serve.py --role prefill --host H "
+                        "--port P, on any host), used instead of starting --prefill-workers")
+    d.add_argument("--decode-urls", default="", help="the same for decode workers")
+    d.add_argument("--kv-pull-timeout", type=float, default=30.0,
+                   help="seconds a decode worker's pull of a request's KV cache may take; later, the request is "
+                        "prefilled again")
+    d.add_argument("--worker-start-timeout", type=float, default=900.0,
+                   help="seconds a worker may take to load and answer")
+    d.add_argument("--role", choices=["prefill", "decode"],
+                   help="serve as a disaggregated worker of this role (the router starts them; or start one "
+                        "yourself and give its URL to the router's --prefill-urls / --decode-urls)")
+    d.add_argument("--inject-kv-transfer-failures", type=int, default=0, help=argparse.SUPPRESS)  # tests
     return ap
 
 
@@ -112,6 +145,10 @@ def main(argv=None) -> int:
               f"({path}) as {name!r}; its output is gibberish.", flush=True)
     if not a.peer_timeout > 0:
         raise SystemExit(f"--peer-timeout must be > 0 seconds, got {a.peer_timeout}")
+    if a.disaggregated:
+        return serve_disaggregated(a, path, name or a.model or path)
+    if a.role is not None:
+        return serve_worker(a, path, name or a.model or path, kw)
     multi = processes.initialize_from_env()
     if multi and not processes.is_leader():
         return follow_leader(path, kw)
@@ -135,6 +172,150 @@ def main(argv=None) -> int:
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def serve_worker(a: argparse.Namespace, path: str, name: str, kw: dict) -> int:
+    """A disaggregated worker (started by the router): its own engine, the colocated app plus the internal
+    routes (moejax/server/worker.py)."""
+    import asyncio
+
+    import moejax
+    from moejax.engine.kv_transfer import KVTransfer
+    from moejax.server.access import AccessPolicy
+    from moejax.server.app import make_app
+    from moejax.server.lifecycle import Server
+    from moejax.server.worker import WorkerConfig, add_worker_routes
+    if int(os.environ.get("MOEJAX_NUM_PROCESSES") or 1) > 1:
+        raise SystemExit("a disaggregated worker is one process (with any number of devices): worker groups of "
+                         "several processes (moejax.launch --nproc > 1) are not supported yet")
+    model = moejax.load(path, **kw)
+    xfer = KVTransfer(host=a.host)
+    app, _ = make_app(model, name, policy=AccessPolicy(bind_host=a.host))
+    add_worker_routes(app, WorkerConfig(a.role, a.kv_pull_timeout, a.inject_kv_transfer_failures), xfer,
+                      model.max_model_len, model.config.model.vocab_size)
+    print(f"{a.role} worker on http://{a.host}:{a.port}, KV transfer server {xfer.address}", flush=True)
+    return asyncio.run(Server(app, a.host, a.port, shutdown_timeout=a.shutdown_timeout).run())
+
+
+def worker_argv(a: argparse.Namespace, role: str, port: int) -> list[str]:
+    """A worker's command line: the router's model and engine options, its role's layout and block size."""
+    parallel = (a.prefill_parallel if role == "prefill" else a.decode_parallel) or a.parallel
+    block = (a.prefill_block_size if role == "prefill" else a.decode_block_size) or a.block_size
+    argv = ["--role", role, "--host", "127.0.0.1", "--port", str(port), "--dtype", a.dtype,
+            "--max-num-seqs", str(a.max_num_seqs), "--block-size", str(block), "--kv-cache-dtype", a.kv_cache_dtype,
+            "--kernels", a.kernels, "--weight-dtype", a.weight_dtype, "--fp8-layers", a.fp8_layers,
+            "--fp8-variant", a.fp8_variant, "--gpu-memory-utilization", str(a.gpu_memory_utilization),
+            "--max-preemptions", str(a.max_preemptions), "--max-prefill-tokens", str(a.max_prefill_tokens),
+            "--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--async-scheduling" if a.async_scheduling else "--no-async-scheduling",
+            "--kv-pull-timeout", str(a.kv_pull_timeout), "--shutdown-timeout", str(a.shutdown_timeout)]
+    for flag, v in (("--model", a.model), ("--served-model-name", a.served_model_name), ("--parallel", parallel),
+                    ("--max-model-len", a.max_model_len), ("--num-kv-blocks", a.num_kv_blocks)):
+        if v is not None:
+            argv += [flag, str(v)]
+    if role == "decode" and a.inject_kv_transfer_failures:
+        argv += ["--inject-kv-transfer-failures", str(a.inject_kv_transfer_failures)]
+    return argv
+
+
+def _device_groups(spec: str, n: int, flag: str) -> list[str | None]:
+    groups = [g.strip() for g in spec.split(";")] if spec else []
+    if groups and len(groups) != n:
+        raise SystemExit(f"{flag} names {len(groups)} device groups for {n} workers")
+    return groups or [None] * n
+
+
+def start_workers(a: argparse.Namespace):
+    """Starts every worker process; returns (prefill, decode) WorkerHandles once each answers /internal/info,
+    and the smallest max_model_len and the vocab size they report."""
+    import json
+    import subprocess
+    import time
+    import urllib.request
+
+    from moejax.server.app import free_port
+    from moejax.server.router import WorkerHandle
+    handles = {"prefill": [], "decode": []}
+    for role, n, devs, urls in (("prefill", a.prefill_workers, a.prefill_devices, a.prefill_urls),
+                                ("decode", a.decode_workers, a.decode_devices, a.decode_urls)):
+        urls = [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
+        if urls:  # started elsewhere: only their URLs are known
+            handles[role] = [WorkerHandle(role, i, u) for i, u in enumerate(urls)]
+            continue
+        if n < 1:
+            raise SystemExit(f"--{role}-workers must be at least 1, got {n}")
+        for i, group in enumerate(_device_groups(devs, n, f"--{role}-devices")):
+            port = free_port()
+            env = dict(os.environ)
+            if group is not None:
+                env["CUDA_VISIBLE_DEVICES"] = group
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *worker_argv(a, role, port)], env=env)
+            handles[role].append(WorkerHandle(role, i, f"http://127.0.0.1:{port}", proc))
+    infos = []
+    deadline = time.monotonic() + a.worker_start_timeout
+    for w in handles["prefill"] + handles["decode"]:
+        while True:
+            if w.check() is not None:
+                stop_workers(handles["prefill"] + handles["decode"])
+                raise SystemExit(f"{w.dead} while starting")
+            try:
+                with urllib.request.urlopen(w.url + "/internal/info", timeout=5) as r:
+                    infos.append(json.loads(r.read()))
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    stop_workers(handles["prefill"] + handles["decode"])
+                    raise SystemExit(f"{w.name} did not answer within --worker-start-timeout") from None
+                time.sleep(0.5)
+    return handles["prefill"], handles["decode"], min(i["max_model_len"] for i in infos), infos[0]["vocab_size"]
+
+
+def stop_workers(workers, timeout: float = 30.0) -> None:
+    """SIGTERM (they drain), then SIGKILL for any still running after ``timeout``."""
+    import subprocess
+    workers = [w for w in workers if w.proc is not None]  # those started elsewhere are left alone
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.terminate()
+    for w in workers:
+        try:
+            w.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+
+
+def serve_disaggregated(a: argparse.Namespace, path: str, name: str) -> int:
+    """The router: starts the workers, then serves the OpenAI app over a Router (moejax/server/router.py)."""
+    import asyncio
+
+    from moejax.server import protocol
+    from moejax.server.access import AccessPolicy
+    from moejax.server.app import build_app
+    from moejax.server.lifecycle import Server
+    from moejax.server.router import Router
+    from moejax.tokenizer import Tokenizer
+    if a.role is not None or int(os.environ.get("MOEJAX_NUM_PROCESSES") or 1) > 1:
+        raise SystemExit("--disaggregated starts its own workers: run it alone, not under --role or the launcher")
+    prefill, decode, max_len, vocab = start_workers(a)
+    try:
+        router = Router(prefill, decode, name)
+        names = tuple(dict.fromkeys([name, *((a.model,) if a.model else ()), path]))
+        ctx = protocol.ServingContext(names, Tokenizer(path), max_len, vocab)
+        origins = tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip())
+        policy = AccessPolicy(api_key=a.api_key or None, allowed_origins=origins, bind_host=a.host)
+        app = build_app(router, ctx, policy, int(a.max_request_mb * (1 << 20)))
+
+        async def _close(_app):
+            await router.aclose()
+
+        app.on_startup.append(router.on_startup)
+        app.on_cleanup.append(_close)
+        print(f"Serving {name} on http://{a.host}:{a.port}: disaggregated, {len(prefill)} prefill and "
+              f"{len(decode)} decode worker(s) (max_model_len={max_len})", flush=True)
+        return asyncio.run(Server(app, a.host, a.port, shutdown_timeout=a.shutdown_timeout).run())
+    finally:
+        stop_workers(prefill + decode)
 
 
 def follow_leader(path: str, kw: dict) -> int:

@@ -141,6 +141,22 @@ class ModelRunner:
         # Same rank layout as the steps' outputs, so the decode step sees the sharding it always does.
         self._feed = jax.jit(feed) if mesh is None else jax.jit(feed, out_shardings=NamedSharding(mesh, RANK))
 
+        def export(cache, rank, slots):
+            self.trace_counts["export_rows"] += 1
+            return cache[rank][:, slots]  # [L, P, D]
+
+        def import_(cache, rank, slots, rows):
+            self.trace_counts["import_rows"] += 1
+            # Padding slots are num_slots (out of range): dropped, as a step's padding writes are.
+            # (rank, :, slots): the two advanced indices are apart, so the update is laid out [P, L, D].
+            return cache.at[rank, :, slots].set(jnp.swapaxes(rows, 0, 1).astype(cache.dtype), mode="drop")
+
+        # Handoff of a prefilled sequence between engines (kv_handoff.py): not donated on export (the
+        # cache lives on), donated on import (updated in place, as by a step).
+        self._export = jax.jit(export)
+        self._import = (jax.jit(import_, donate_argnums=(0,)) if mesh is None else
+                        jax.jit(import_, donate_argnums=(0,), out_shardings=NamedSharding(mesh, RANK)))
+
     def _vars(self, params, routing):
         return {"params": params, "routing": routing}
 
@@ -391,6 +407,41 @@ class ModelRunner:
             if s.block_table:  # not freed since it was dispatched (finished, aborted or preempted)
                 s.num_cached_tokens = len(s)  # up to the token this step fed
         return out
+
+    # ----- moving a sequence's cache rows between engines (prefill/decode disaggregation) ----
+    @staticmethod
+    def rows_bucket(n: int) -> int:
+        """Rows moved for n tokens: a power of two (16 at least), so export/import compile once per bucket."""
+        return next_pow2(n, 16)
+
+    @property
+    def row_dtype(self):
+        return self.cache.dtype
+
+    @property
+    def row_dim(self) -> int:
+        return self.cache.shape[-1]
+
+    def export_rows(self, slots, rank: int = 0) -> jax.Array:
+        """The cache rows of ``slots`` on ``rank``, every layer: [layers, rows_bucket(len(slots)), row_dim]
+        in the cache's dtype (FP8 rows with their scale byte); rows past len(slots) are padding."""
+        n = len(slots)
+        padded = np.zeros(self.rows_bucket(n), np.int32)
+        padded[:n] = slots
+        return self._export(self.cache, np.int32(rank), padded)
+
+    def import_rows(self, slots, rows: jax.Array, rank: int = 0) -> None:
+        """Writes ``rows`` [layers, P >= len(slots), row_dim] (export_rows' layout) into ``slots`` on ``rank``."""
+        n = len(slots)
+        L, P, D = rows.shape
+        if L != self.cfg.num_hidden_layers or D != self.row_dim or P < n:
+            raise ValueError(f"rows of shape {tuple(rows.shape)} do not fit this cache: {self.cfg.num_hidden_layers} "
+                             f"layers x >= {n} rows x {self.row_dim} values expected")
+        padded = np.full(P, self.num_slots, np.int32)
+        padded[:n] = slots
+        if self.mesh is not None:  # pulled onto one device: every rank's device sees them
+            rows = jax.device_put(rows, NamedSharding(self.mesh, REPLICATED))
+        self.cache = self._import(self.cache, np.int32(rank), padded, rows)
 
     def _record(self, counts, dispatched):
         """Keeps the last step's expert statistics, on the device: the balancer reads them in batches,

@@ -16,6 +16,12 @@ lifecycle.py) when a step fails with no request to blame, when steps fail
 MAX_CONSECUTIVE_FAILURES times in a row, or on anything that is not an Exception.
 A request the engine gave up (preempted more than max_preemptions times: the cache
 is too small for the load) gets an error event (503) too.
+
+Disaggregated workers (router.py) use two more kinds of request. A ``handoff`` request (prefill
+worker) ends after its first token: the engine thread takes its sequence out with its cache rows
+(kv_handoff.take_prefilled) and its last event carries them (``TokenEvent.handoff``), unless that
+token finished it. ``add_prefilled`` (decode worker) adds a sequence prefilled elsewhere; while
+the engine has no room for it, it is parked and retried every loop, never dropped.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import threading
 import time
 import traceback
 
+from moejax.engine.kv_handoff import PrefilledRequest, add_prefilled, can_add, check_fits, take_prefilled
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.sequence import Status
 from moejax.engine.step_log import StepLog
@@ -49,6 +56,7 @@ class TokenEvent:
     text: str | None = None  # final text (stop strings cut) on the last event
     error: str | None = None  # the request failed (its step raised, or the engine died, or shutdown)
     status: int = 500  # the HTTP status of that error
+    handoff: PrefilledRequest | None = None  # a handoff request's sequence, taken out after this token
 
 
 class RequestStream:
@@ -64,6 +72,8 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_output = 0
+        self.handoff = False  # end after the first token, the sequence taken out (prefill worker)
+        self.prefilled: PrefilledRequest | None = None  # a sequence prefilled elsewhere (decode worker)
 
     async def get(self, timeout: float | None = None) -> TokenEvent | None:
         """The next event, or None after `timeout` seconds without one."""
@@ -71,7 +81,7 @@ class RequestStream:
             ev = await asyncio.wait_for(self.queue.get(), timeout)
         except asyncio.TimeoutError:
             return None
-        if ev.finish_reason is not None or ev.error is not None:
+        if ev.finish_reason is not None or ev.error is not None or ev.handoff is not None:
             self.finished = True
         return ev
 
@@ -80,7 +90,7 @@ class RequestStream:
             ev = self.queue.get_nowait()
         except asyncio.QueueEmpty:
             return None
-        if ev.finish_reason is not None or ev.error is not None:
+        if ev.finish_reason is not None or ev.error is not None or ev.handoff is not None:
             self.finished = True
         return ev
 
@@ -113,6 +123,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.error: str | None = None
         self._failures = 0  # consecutive failed steps
+        self._parked: list[RequestStream] = []  # prefilled requests waiting for room (engine thread only)
+        self.num_parked = 0  # prefilled requests that had to wait for room, ever
         self._thread = threading.Thread(target=self._run, name="moejax-engine", daemon=True)
 
     # ----- event-loop side ---------------------------------------------------------
@@ -136,11 +148,15 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.error is None and self._thread.is_alive() and not self._stop.is_set()
 
-    async def add_request(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queues a request; raises ValueError if the engine rejects it (e.g. prompt too long)."""
+    async def add_request(self, prompt_ids: list[int], params: SamplingParams, handoff: bool = False,
+                          prefilled: PrefilledRequest | None = None) -> RequestStream:
+        """Queues a request; raises ValueError if the engine rejects it (e.g. prompt too long).
+        ``handoff``: its last event hands its prefilled sequence over (unless its first token ends it);
+        ``prefilled``: a sequence prefilled elsewhere, decoded here (prompt_ids/params are its own)."""
         if not self.is_alive:
             raise EngineDeadError(self.error or "the engine is not running")
         stream = RequestStream(self, list(prompt_ids), params, asyncio.get_running_loop())
+        stream.handoff, stream.prefilled = handoff, prefilled
         self._inbox.put(("add", stream))
         while not stream.accepted.done():
             await asyncio.wait({stream.accepted}, timeout=1.0)
@@ -154,7 +170,31 @@ class AsyncEngine:
 
     # ----- engine thread -----------------------------------------------------------------
     def _handle(self, op: str, stream: RequestStream | None) -> None:
-        if op == "add":
+        if op == "add" and stream.prefilled is not None:
+            try:
+                check_fits(self.engine, stream.prefilled)  # before parking: a parked request must fit some day
+            except ValueError as e:
+                stream.loop.call_soon_threadsafe(_resolve, stream.accepted, ValueError(str(e)))
+                return
+            if not can_add(self.engine, stream.prefilled):
+                self._parked.append(stream)  # accepted; added once there is room
+                self.num_parked += 1
+                stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
+                return
+            try:
+                stream.seq = add_prefilled(self.engine, stream.prefilled)
+            except Exception as e:  # noqa: BLE001 - fails this request only (it may be accepted already)
+                traceback.print_exc()
+                stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
+                stream.loop.call_soon_threadsafe(_deliver, [(stream, TokenEvent(
+                    error=f"adding the prefilled request failed: {type(e).__name__}: {e}"[:500]))])
+                return
+            stream.prefilled.rows = None  # in the cache now
+            stream.arrival = stream.first_token_time = stream.last_token_time = time.perf_counter()
+            stream.num_output = stream.seq.num_output_tokens
+            self._streams[stream.seq.seq_id] = stream
+            stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
+        elif op == "add":
             try:
                 stream.seq = self.engine.add_request(stream.prompt_ids, stream.params)
             except ValueError as e:
@@ -165,6 +205,9 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
         elif op == "abort":
             seq = stream.seq
+            if stream in self._parked:
+                self._parked.remove(stream)
+                return
             if seq is None or seq.seq_id not in self._streams:
                 return  # never accepted, or already finished
             self.engine.abort(seq)
@@ -186,10 +229,17 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    def _admit_parked(self) -> None:
+        """Parked prefilled requests, in their order, while the engine has room for the first."""
+        while self._parked and can_add(self.engine, self._parked[0].prefilled):
+            stream = self._parked.pop(0)
+            self._handle("add", stream)  # accepted already: resolving again does nothing
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
+                self._admit_parked()
                 if not self.engine.has_unfinished():
                     continue
                 try:
@@ -222,6 +272,13 @@ class AsyncEngine:
                         del self._streams[seq.seq_id]
                         self.metrics.on_finish(seq.finish_reason, now - stream.arrival,
                                                stream.first_token_time - stream.arrival, seq.num_output_tokens)
+                    elif stream.handoff:
+                        del self._streams[seq.seq_id]
+                        try:
+                            ev.handoff = take_prefilled(self.engine, seq)
+                        except Exception as e:  # noqa: BLE001 - fails this request only
+                            traceback.print_exc()
+                            ev = TokenEvent(error=f"taking the prefilled sequence out failed: {e}"[:500])
                     out.setdefault(stream.loop, []).append((stream, ev))
                 self.metrics.snapshot(self.engine, self.step_log.mixed_steps)
                 for loop, items in out.items():
@@ -269,10 +326,11 @@ class AsyncEngine:
 
     def _fail_all(self) -> None:
         by_loop: dict[object, list] = {}
-        for stream in self._streams.values():
+        for stream in [*self._streams.values(), *self._parked]:
             by_loop.setdefault(stream.loop, []).append((stream, TokenEvent(error=f"the engine died: {self.error}",
                                                                            status=503)))
         self._streams.clear()
+        self._parked.clear()
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)

@@ -25,6 +25,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
+# KV transfer of a prefilled request (disaggregated serving): vLLM's KV-connector scale, milliseconds to seconds.
+KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
@@ -120,6 +122,15 @@ class Metrics:
                                registry=reg).labels(model_name)
         self.errors = Counter("moejax:request_errors", "Requests failed by an engine fault (their step raised).",
                               lab, registry=reg).labels(model_name)
+        # Disaggregated serving (router.py): the prefill -> decode moves of the latent KV cache.
+        self.kv_transfer_seconds = hist("moejax:kv_transfer_seconds",
+                                        "Histogram of KV-cache transfer time (prefill worker -> decode worker).",
+                                        KV_TRANSFER_BUCKETS)
+        self.kv_transfer_bytes = Counter("moejax:kv_transfer_bytes", "Bytes of KV cache moved between workers.",
+                                         lab, registry=reg).labels(model_name)
+        self.kv_transfer_failures = Counter("moejax:kv_transfer_failures",
+                                            "KV-cache transfers that failed or missed their deadline (the request "
+                                            "was prefilled again).", lab, registry=reg).labels(model_name)
         # gauges / engine counters, snapshotted by the engine thread after each step
         self.running = 0
         self.waiting = 0
@@ -154,6 +165,13 @@ class Metrics:
 
     def on_error(self) -> None:
         self.errors.inc()
+
+    def on_kv_transfer(self, seconds: float, nbytes: int) -> None:
+        self.kv_transfer_seconds.observe(seconds)
+        self.kv_transfer_bytes.inc(nbytes)
+
+    def on_kv_transfer_failed(self) -> None:
+        self.kv_transfer_failures.inc()
 
     def snapshot(self, engine, mixed_steps: int) -> None:
         with self.lock:

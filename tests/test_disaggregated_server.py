@@ -1,0 +1,171 @@
+"""scripts/serve.py --disaggregated (1 prefill worker process it starts, 1 decode worker process given by
+URL, the router in front) against the colocated server of the same checkpoint: the same token ids, texts,
+finish reasons and logprobs for greedy and seeded sampling, plain and streamed (chunks, usage); the decode
+worker's first pull is made to fail (--inject-kv-transfer-failures 1) and that request is re-queued and
+still completes with the colocated tokens; /metrics counts the transfers, their bytes and the failure; a killed worker is reported (/health
+503, an OpenAI-style JSON error naming it) and the router exits non-zero instead of hanging."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import moejax
+from moejax.server.app import ServerThread, free_port
+from moejax.server.metrics import parse_metrics
+from moejax.tiny.checkpoint import make_random_checkpoint
+from moejax.tiny.presets import preset
+
+import openai  # noqa: E402  (in the test extra)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = "tiny-disagg"
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_random_checkpoint(str(tmp_path_factory.mktemp("tiny")), preset("v3-tiny"), seed=7, std=0.1)
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_path):
+    model = moejax.load(tiny_path, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=8, progress=False)
+    srv = ServerThread(model, model_name=NAME).start()
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    srv.stop()
+
+
+def _get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _wait_up(proc, url, what):
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, f"{what} exited with {proc.returncode}"
+        try:
+            if _get(url + "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not start"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def router(tiny_path):
+    """The disaggregated server as processes: (the router's Popen, its URL, the decode worker's Popen). The
+    router starts its prefill worker; the decode worker (block size 8, its first pull made to fail) is
+    started here and given to the router by URL (--decode-urls): both ways of having workers."""
+    serve = os.path.join(ROOT, "scripts", "serve.py")
+    common = ["--model", tiny_path, "--served-model-name", NAME, "--dtype", "float32", "--max-model-len",
+              str(MAX_LEN), "--max-num-seqs", "8", "--shutdown-timeout", "5"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    dport, port = free_port(), free_port()
+    decode = subprocess.Popen([sys.executable, serve, *common, "--role", "decode", "--block-size", "8",
+                               "--port", str(dport), "--inject-kv-transfer-failures", "1"], env=env)
+    durl, url = f"http://127.0.0.1:{dport}", f"http://127.0.0.1:{port}"
+    _wait_up(decode, durl, "the decode worker")
+    proc = subprocess.Popen([sys.executable, serve, *common, "--disaggregated", "--decode-urls", durl,
+                             "--port", str(port)], env=env)
+    _wait_up(proc, url, "the router")
+    yield proc, url, decode
+    for p in (proc, decode):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(60)
+
+
+@pytest.fixture(scope="module")
+def disagg(router):
+    return openai.OpenAI(base_url=router[1] + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _requests(rng, n=4):
+    """Greedy and seeded (temperature 0.9, top-p, top-k) requests alternating, token-id prompts."""
+    out = []
+    for i in range(n):
+        sample = dict(temperature=0.9, top_p=0.85, seed=int(rng.integers(1 << 30))) if i % 2 else dict(temperature=0)
+        out.append(dict(prompt=rng.integers(2, 300, size=int(rng.integers(3, 40))).tolist(),
+                        max_tokens=int(rng.integers(2, 14)), logprobs=2, **sample,
+                        extra_body={"ignore_eos": True, "return_token_ids": True, "top_k": 40}))
+    return out
+
+
+def _full(client, kw):
+    ch = client.completions.create(model=NAME, **kw).choices[0]
+    return ch.text, ch.model_extra["token_ids"], ch.finish_reason, ch.logprobs.token_logprobs, ch.logprobs.top_logprobs
+
+
+def _streamed(client, kw):
+    chunks = list(client.completions.create(model=NAME, stream=True, stream_options={"include_usage": True}, **kw))
+    toks = [c for c in chunks if c.choices]
+    return ("".join(c.choices[0].text for c in toks), [t for c in toks for t in c.choices[0].model_extra["token_ids"]],
+            toks[-1].choices[0].finish_reason, chunks[-1].usage.model_dump())
+
+
+def test_same_tokens_as_colocated_with_a_failed_transfer(colocated, disagg, router):
+    """Reference: the colocated server. Plain requests (the first one's KV pull fails and it is prefilled
+    again): the same texts, token ids, finish reasons, top-logprob tokens, logprobs (1e-5); /metrics
+    shows one transfer per decoded request, their bytes and the one failure."""
+    reqs = _requests(np.random.default_rng())
+    for kw in reqs:
+        want, got = _full(colocated, kw), _full(disagg, kw)
+        assert got[:3] == want[:3]
+        np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-5)
+        assert [sorted(t) for t in got[4]] == [sorted(t) for t in want[4]]
+    m = parse_metrics(_get(router[1] + "/metrics")[1].decode())
+    assert m["moejax:kv_transfer_failures_total"] == 1
+    assert m["moejax:kv_transfer_seconds_count"] == len(reqs) and m["moejax:kv_transfer_bytes_total"] > 0
+    assert m["vllm:request_success_total"] == len(reqs)
+
+
+def test_streaming_same_as_colocated(colocated, disagg):
+    """Reference: the colocated server's stream. Streamed greedy and seeded requests: the same
+    concatenated text, token ids, finish reason and usage chunk."""
+    for kw in _requests(np.random.default_rng(), 3):
+        kw.pop("logprobs")
+        assert _streamed(disagg, kw) == _streamed(colocated, kw)
+
+
+def test_bad_request_is_an_openai_error(disagg):
+    """Invariant: a prompt longer than max_model_len is a 400 OpenAI-style error naming the prompt."""
+    with pytest.raises(openai.BadRequestError) as e:
+        disagg.completions.create(model=NAME, prompt=[5] * (MAX_LEN + 4), max_tokens=4)
+    assert e.value.body["param"] == "prompt"
+
+
+def test_dead_worker_reported(router, disagg):
+    """Invariant: a decode worker killed mid-stream is reported: the stream in flight ends with an
+    OpenAI-style error event and [DONE] (no hang), /health answers 503 with a JSON error naming the
+    worker (known by its URL: failed health checks), and the router process exits non-zero."""
+    proc, url, decode = router
+    body = json.dumps({"model": NAME, "prompt": [5, 6, 7], "max_tokens": MAX_LEN - 8, "temperature": 0,
+                       "stream": True, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.readline().startswith(b"data: {")  # streaming: the worker holds the request now
+        decode.kill()
+        events = [line[6:].strip() for line in r.read().split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+    deadline = time.monotonic() + 20
+    while True:
+        status, body = _get(url + "/health")
+        if status == 503:
+            break
+        assert time.monotonic() < deadline, "the dead worker was not reported"
+        time.sleep(0.2)
+    assert "decode worker" in json.loads(body)["error"]["message"]
+    assert proc.wait(30) != 0
