@@ -278,7 +278,8 @@ def print_report(m: dict, a) -> None:
             ("Server decode-only throughput (tok/s):", f"{m['server_decode_throughput']:.2f}"),
             ("EP balancedness (mean/max per rank):", f"{m.get('server_eplb_balancedness', 1.0):.3f}")]
     for k, v in rows:
-        print(f"{k:<40}{v:<10}")
+        if v is not None:  # no concurrency bound (a request rate alone): the row is left out, as vLLM does
+            print(f"{k:<40}{v:<10}")
     names = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
     for key in a.percentile_metrics.split(","):
