@@ -261,6 +261,7 @@ def start_workers(a: argparse.Namespace):
             try:
                 with urllib.request.urlopen(w.url + "/internal/info", timeout=5) as r:
                     infos.append(json.loads(r.read()))
+                    w.kv_tokens = int(infos[-1].get("kv_tokens", 0))
                     break
             except OSError:
                 if time.monotonic() > deadline:

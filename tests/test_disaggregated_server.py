@@ -20,6 +20,7 @@ import pytest
 import moejax
 from moejax.server.app import ServerThread, free_port
 from moejax.server.metrics import parse_metrics
+from moejax.server.router import Router, WorkerGone, WorkerHandle
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
@@ -169,3 +170,25 @@ def test_dead_worker_reported(router, disagg):
         time.sleep(0.2)
     assert "decode worker" in json.loads(body)["error"]["message"]
     assert proc.wait(30) != 0
+
+
+def test_decode_worker_with_the_most_room_is_chosen():
+    """Routing rule (router.py _pick): a decode request goes to the live decode worker whose KV cache is
+    least claimed (claimed tokens / capacity, capacities differing), ties to the fewest requests; a
+    prefill request to the fewest in flight; no live worker of a role is an error naming the role."""
+    rng = np.random.default_rng()
+    cap = [int(c) for c in rng.integers(1_000, 100_000, size=3)]
+    claim = [int(rng.integers(0, c)) for c in cap]
+    dec = [WorkerHandle("decode", i, f"http://d{i}", kv_tokens=c, reserved_tokens=r, inflight=int(rng.integers(9)))
+           for i, (c, r) in enumerate(zip(cap, claim))]
+    pre = [WorkerHandle("prefill", i, f"http://p{i}", inflight=n) for i, n in enumerate(rng.permutation(3).tolist())]
+    router = Router(pre, dec)
+    assert router._pick(dec) is dec[int(np.argmin(np.array(claim) / np.array(cap)))]
+    assert router._pick(pre) is pre[[w.inflight for w in pre].index(0)]
+    for w in dec:
+        w.reserved_tokens = 0
+    assert router._pick(dec) is min(dec, key=lambda w: (w.inflight, w.index))
+    for w in dec:
+        w.dead = "gone"
+    with pytest.raises(WorkerGone, match="no live decode worker"):
+        router._pick(dec)

@@ -9,8 +9,9 @@ colocated server's own code.
 A request: (1) the least-loaded live prefill worker (fewest requests in flight from this router)
 prefills it and answers its first token and, unless that token ended it, the prefilled request's
 metadata, its cache rows offered through jax.experimental.transfer (worker.py, kv_transfer.py);
-(2) the least-loaded decode worker pulls the rows into its own cache (a worker with no room parks
-the request until it has) and streams the rest of the tokens. The first token goes to the client
+(2) the decode worker with the most room (the smallest share of its KV cache claimed by this
+router's requests on it, prompt + max_tokens each) pulls the rows into its own cache (a worker with
+no room parks the request until it has) and streams the rest of the tokens. The first token goes to the client
 once the pull succeeded: a re-queued request's new prefill may sample another first token (a
 prefix-cache hit computes the prompt from cached, maybe FP8, rows), and the one sent must be the
 one its decode continues from. A failed or late pull (502 ``kv_transfer_failed``) or a worker that
@@ -57,6 +58,8 @@ class WorkerHandle:
     url: str
     proc: subprocess.Popen | None = None  # None: started elsewhere (only its URL is known: /health is polled)
     inflight: int = 0  # requests of this router on it now
+    kv_tokens: int = 0  # its KV cache's capacity in tokens (/internal/info); 0: unknown
+    reserved_tokens: int = 0  # tokens its in-flight requests may grow to (prompt + max_tokens): its cache's claim
     dead: str | None = None
     failed_checks: int = 0  # consecutive failed /health checks (a worker known by its URL only)
 
@@ -197,9 +200,14 @@ class Router:
             self.metrics.waiting = sum(w.inflight for w in self.prefill)
 
     def _pick(self, workers: list[WorkerHandle]) -> WorkerHandle:
+        """Prefill: the fewest requests in flight. Decode: the most room, i.e. the smallest share of its KV
+        cache its requests may grow to (workers may differ in cache size), then the fewest requests."""
         live = [w for w in workers if w.check() is None]
         if not live:
             raise WorkerGone(f"no live {workers[0].role} worker")
+        if live[0].role == "decode":
+            return min(live, key=lambda w: (w.reserved_tokens / w.kv_tokens if w.kv_tokens else 0.0,
+                                            w.inflight, w.index))
         return min(live, key=lambda w: (w.inflight, w.index))
 
     # ----- one request ------------------------------------------------------------------
@@ -244,7 +252,9 @@ class Router:
         into ``stream``. False when the request must be re-queued (the pull failed, or the worker could
         not be reached before the pull was done): nothing was sent then."""
         w = self._pick(self.decode)
+        claim = len(prefilled["token_ids"]) + stream.params.max_new_tokens - 1  # the most it can hold
         w.inflight += 1
+        w.reserved_tokens += claim
         self._gauges()
         started = False
         try:
@@ -279,6 +289,7 @@ class Router:
             return True
         finally:
             w.inflight -= 1
+            w.reserved_tokens -= claim
             self._gauges()
 
     async def _serve(self, stream: RequestStream) -> None:

@@ -1,9 +1,10 @@
 """A disaggregated-serving worker: the colocated server's app (app.py: OpenAI routes, /health,
 /metrics) plus the internal routes its router (router.py) calls.
 
-  GET  /internal/info     role, max_model_len, vocab size, the transfer server's address
+  GET  /internal/info     role, max_model_len, vocab size, the transfer server's address, KV cache
+                          capacity in tokens (the router's measure of a decode worker's room)
   GET  /internal/load     requests in flight, free KV blocks (for operators: the router balances on
-                          its own count of requests in flight on each worker)
+                          its own counts, no round trip per request)
   POST /internal/prefill  (prefill role) {"prompt_ids", "params"} -> the first token's event and, unless
                           it ended the request, the prefilled request's metadata (kv_handoff.py), its
                           cache rows offered for one pull (kv_transfer.py)
@@ -94,8 +95,10 @@ def add_worker_routes(app: web.Application, cfg: WorkerConfig, xfer: KVTransfer,
     inject = {"left": cfg.inject_transfer_failures}
 
     async def info(request):
+        blocks = request.app[ENGINE_KEY].engine.blocks
         return web.json_response({"role": cfg.role, "max_model_len": max_model_len, "vocab_size": vocab_size,
-                                  "transfer_address": xfer.address})
+                                  "transfer_address": xfer.address,
+                                  "kv_tokens": blocks.num_blocks * blocks.block_size})
 
     async def load(request):
         aengine = request.app[ENGINE_KEY]
