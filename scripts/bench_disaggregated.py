@@ -26,31 +26,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from moejax.server.app import free_port  # noqa: E402
+from sweep import free_port, wait_healthy  # noqa: E402  (scripts/sweep.py: the same server handling)
 
 METRICS = ("ttft", "itl", "tpot", "e2el")
 PERCENTILES = (50, 90, 99)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} before it was healthy ({url})")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} not healthy after {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:

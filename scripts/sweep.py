@@ -40,13 +40,15 @@ CSV_FIELDS = ["concurrency", "num_prompts", "completed", "failed", "duration", "
               "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Until the server at ``url`` answers /health with 200; RuntimeError if its process exits first or
+    ``timeout`` seconds pass."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
@@ -62,7 +64,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def start_server(a) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, os.path.join(HERE, "serve.py"), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs or max(a.levels))]
     if a.model:
@@ -75,7 +77,7 @@ def start_server(a) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, a.server_timeout)
+        wait_healthy(url, proc, a.server_timeout)
     except Exception:
         proc.terminate()
         raise

@@ -221,7 +221,7 @@ def test_decode_step_has_no_device_side_branch(models):
 
     from moejax.layers.sampler import SampleMode
     m = models[0]
-    eng, runner = m.engine, m.engine.runner
+    runner = m.engine.runner
     got = {}
     real = runner._decode
 

@@ -134,6 +134,7 @@ def test_gpu_memory_utilization_sizes_the_cache(monkeypatch):
     stats["bytes_in_use"] = int(u_lo * limit) - STEP_RESERVE_BYTES - per_block  # room for less than a sequence
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         default_num_blocks(c)
+    for host_stats in (None, {}):
         monkeypatch.setattr(jax, "devices", lambda *a, **k: [_FakeDevice(host_stats)])
         monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_FakeDevice(host_stats)])
         assert {default_num_blocks(conf) for conf in confs.values()} == {HOST_CACHE_BYTES // per_block}

@@ -6,7 +6,6 @@ tables, not on the model's size.
   python benchmarks/2026-12-05/host_step_cpu.py [concurrency] [context] [--profile]"""
 import os, sys, time
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
-import jax.numpy as jnp
 import numpy as np
 import bench_decode as bd
 from moejax.tiny.presets import preset
