@@ -83,8 +83,9 @@ def project(model: str, C: int, link: str, efficiency: float, latency: float, ra
     bw = LINKS[link][0] * efficiency
     remote = expected_remote_ranks(m, ranks)
     exchange = {
-        # static [ranks, T, H] bf16 both ways (+ ids int32 and weights f32 [ranks, T, k]), 4 collectives
-        "a2a (static buffers, bf16)": (L * (ranks - 1) * T * (2 * H * 2 + m["top_k"] * 8) / bw + L * 4 * latency),
+        # static [ranks, T, H] bf16 both ways (ids int32 and weights f32 [ranks, T, k] packed into the
+        # dispatch buffer): 2 collectives a layer
+        "a2a (static buffers, bf16)": (L * (ranks - 1) * T * (2 * H * 2 + m["top_k"] * 8) / bw + L * 2 * latency),
         "rows that exist, bf16": L * T * remote * (2 * H * 2) / bw + L * 2 * latency,
         "rows that exist, FP8 dispatch": L * T * remote * (H * (1 + 4 / 128) + H * 2) / bw + L * 2 * latency,
     }

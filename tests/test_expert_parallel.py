@@ -1,13 +1,16 @@
 """DP attention + EP experts on 8 (and 4) CPU devices equal the single-device model exactly."""
 
 import os
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import moejax
 from conftest import rel_err
+from moejax.parallel.dispatch import _pack, _unpack
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 from moejax.weights.safetensors_io import SafetensorsFile, save_safetensors
@@ -106,13 +109,22 @@ def test_adversarial_routing_really_hits_one_rank(checkpoints):
 
 def test_sequences_spread_over_ranks_and_decode_compiles_once(checkpoints, tmp_path):
     """Invariants on dp8: 24 sequences land on every rank, decode compiles once per batch bucket
-    (at most 3), prefill once, and every KV block is free at the end."""
+    (at most 3), prefill once, every KV block is free at the end, and the compiled a2a decode step
+    has two all-to-alls per MoE layer (dispatch, combine)."""
     m = _load(checkpoints["uniform"], _layout(tmp_path, 8, "a2a"), block_size=64)
     eng = m.engine
     rng = np.random.default_rng()
     from moejax.engine.sampling_params import SamplingParams
     seqs = [eng.add_request(rng.integers(2, 320, size=6).tolist(),
                             SamplingParams(max_new_tokens=n, ignore_eos=True)) for n in [10, 20, 30] * 8]
+    runner, captured = eng.runner, []
+    real = runner._decode
+
+    def capture(*args, **kw):
+        if not captured:
+            captured.append((args, kw))
+        return real(*args, **kw)
+    runner._decode = capture
     ranks_seen = set()
     while any(not s.is_finished for s in seqs):
         kind, stepped = eng.step()
@@ -121,6 +133,30 @@ def test_sequences_spread_over_ranks_and_decode_compiles_once(checkpoints, tmp_p
     # 3 per rank shrinking to 2 and 1: buckets 4, 2 and 1 at most, one program each
     assert eng.runner.trace_counts["decode"] <= 3 and eng.runner.trace_counts["prefill"] == 1
     assert eng.blocks.num_free == eng.blocks.num_blocks
+    # One all-to-all each way per MoE layer (expert ids and weights ride in the rows' buffer)
+    args, kw = captured[0]
+    hlo = real.lower(*args, **kw).compile().as_text()
+    n_moe = runner.last_expert_counts.shape[1]
+    assert len(re.findall(r"[ )}] all-to-all\(", hlo)) == 2 * n_moe, n_moe
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
+def test_packed_dispatch_buffer_keeps_every_bit(dtype):
+    """_pack/_unpack (a2a's one dispatch collective): rows of every width and ids/weights of any 32-bit
+    pattern (negative ids, NaNs, denormal halves) come back bit for bit after a jitted round trip."""
+    rng = np.random.default_rng()
+    dt = jnp.dtype(dtype)
+    bits = rng.integers(0, 1 << (8 * dt.itemsize), size=(3, 7, 16), dtype=np.uint64)
+    x = jax.lax.bitcast_convert_type(jnp.asarray(bits.astype(f"uint{8 * dt.itemsize}")), dt)
+    ids = jnp.asarray(rng.integers(-1, 1 << 20, size=(3, 7, 4)), jnp.int32)
+    w = jax.lax.bitcast_convert_type(jnp.asarray(rng.integers(0, 1 << 32, size=(3, 7, 4), dtype=np.uint64)
+                                                 .astype(np.uint32)), jnp.float32)
+    packed = jax.jit(_pack)(x, ids, w)
+    rx, rids, rw = jax.jit(_unpack, static_argnums=(1, 2, 3))(packed, dt, 16, 4)
+    assert rx.dtype == dt and packed.shape[-1] == 16 + 8 * 4 // dt.itemsize
+    assert np.array_equal(np.asarray(rx).view(np.uint8), np.asarray(x).view(np.uint8))
+    assert np.array_equal(np.asarray(rids), np.asarray(ids))
+    assert np.array_equal(np.asarray(rw).view(np.uint32), np.asarray(w).view(np.uint32))
 
 
 def test_ragged_backend_refused_on_cpu(checkpoints, tmp_path):

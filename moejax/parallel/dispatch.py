@@ -20,7 +20,8 @@ from per-rank counts.
 - ``a2a`` (every platform): each token is sent at most once to each rank that
   owns one of its experts (buffers [ranks, T, H]: the worst case, every token
   to every rank, fits), the receiver applies all of that token's local experts
-  and sends one partial sum back; ``jax.lax.all_to_all`` both ways.
+  and sends one partial sum back; ``jax.lax.all_to_all`` both ways, one each way
+  (the expert ids and weights travel as raw bits in the rows' buffer).
 - ``ragged`` (GPU): the same exchange with ``jax.lax.ragged_all_to_all``,
   sending only the rows that exist. XLA:CPU does not implement it.
 - ``ffi``: the same exchange as ``a2a`` through the XLA FFI extension's dispatch and
@@ -126,8 +127,36 @@ def _route(topk_idx, valid, slots, replicas, E_loc, source_rank):
     return rank, s % E_loc  # rank, expert index on that rank
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _pack(x, ids, wts):
+    """One unsigned-integer buffer [..., H + 2 k * 4 / itemsize] of x's width: the rows' bits, then each
+    row's expert ids (int32) and weights (float32) as raw bits, so one collective moves all three.
+    Integers, not x's float type, carry the words: XLA may compute a bf16 copy in float32, which would
+    flush the denormal patterns small ids make."""
+    u = _UINT[x.dtype.itemsize]
+
+    def words(a):
+        b = jax.lax.bitcast_convert_type(a, u)  # [..., n] or [..., n, 4 / itemsize] when x is narrower
+        return b.reshape(*a.shape[:-1], -1)
+    return jnp.concatenate([words(x), words(ids), words(wts.astype(jnp.float32))], axis=-1)
+
+
+def _unpack(buf, dtype, H: int, k: int):
+    """The inverse of ``_pack``: (rows [..., H] of ``dtype``, ids int32 [..., k], weights float32 [..., k])."""
+    per = 4 // buf.dtype.itemsize  # words per 32-bit value
+
+    def values(b, dt):
+        b = b.reshape(*b.shape[:-1], k, per) if per > 1 else b
+        return jax.lax.bitcast_convert_type(b, dt)
+    x = jax.lax.bitcast_convert_type(buf[..., :H], dtype)
+    return x, values(buf[..., H:H + k * per], jnp.int32), values(buf[..., H + k * per:], jnp.float32)
+
+
 def a2a(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks: int, shared=None):
     T, H = x.shape
+    k = topk_idx.shape[1]
     E_loc = w.num_experts
     rank, loc = _route(topk_idx, valid, slots, replicas, E_loc, jax.lax.axis_index(axis))
     to = jnp.arange(n_ranks)[:, None, None] == rank[None]  # [R, T, k]
@@ -136,7 +165,8 @@ def a2a(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ranks:
     ids = jnp.where(to, loc[None], -1).astype(jnp.int32)  # [R, T, k]
     wts = jnp.where(to, topk_weight[None], 0.0)
     exchange = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)
-    rx, rids, rw = exchange(buf), exchange(ids), exchange(wts)  # row block j came from rank j
+    # One dispatch collective, not three: rows, ids and weights packed (each launch costs latency).
+    rx, rids, rw = _unpack(exchange(_pack(buf, ids, wts)), x.dtype, H, k)  # row block j came from rank j
     y, ys, n = _apply_local_experts(rx.reshape(n_ranks * T, H), rids.reshape(n_ranks * T, -1),
                                     rw.reshape(n_ranks * T, -1), w, shared, x)
     back = exchange(y.astype(x.dtype).reshape(n_ranks, T, H))  # block j: rank j's partial sums
@@ -183,9 +213,9 @@ def ragged(x, topk_idx, topk_weight, valid, slots, replicas, w, axis: str, n_ran
     def go(a, out):
         return jax.lax.ragged_all_to_all(a, out, in_off, send_sizes, out_off, recv_sizes, axis_name=axis)
 
-    rx = go(x[tok], jnp.zeros((cap, H), x.dtype))
-    rids = go(ids, jnp.full((cap, k), -1, jnp.int32))
-    rw = go(wts, jnp.zeros((cap, k), wts.dtype))
+    # One dispatch collective: rows, ids and weights packed as in a2a.
+    empty = _pack(jnp.zeros((cap, H), x.dtype), jnp.full((cap, k), -1, jnp.int32), jnp.zeros((cap, k), jnp.float32))
+    rx, rids, rw = _unpack(go(_pack(x[tok], ids, wts), empty), x.dtype, H, k)
     valid_rows = jnp.arange(cap) < recv_sizes.sum()
     y, ys, n = _apply_local_experts(rx, jnp.where(valid_rows[:, None], rids, -1), rw, w, shared, x)
     # Return path: what I received from sender s goes back to s's packed rows.
