@@ -20,7 +20,7 @@ import pytest
 import moejax
 from moejax.server.app import ServerThread, free_port
 from moejax.server.metrics import parse_metrics
-from moejax.server.router import Router, WorkerGone, WorkerHandle
+from moejax.server.router import Router, WorkerGone, WorkerHandle, kv_usage
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
@@ -192,3 +192,15 @@ def test_decode_worker_with_the_most_room_is_chosen():
         w.dead = "gone"
     with pytest.raises(WorkerGone, match="no live decode worker"):
         router._pick(dec)
+
+
+def test_router_kv_usage_sums_the_decode_workers():
+    """vllm:kv_cache_usage_perc on the router (router.py kv_usage over the decode workers' /internal/load):
+    blocks in use over all blocks of every decode worker, caches of different sizes weighted by their
+    blocks (not a mean of the workers' shares); None when no worker answered."""
+    rng = np.random.default_rng()
+    loads = [{"num_blocks": int(n), "free_blocks": int(rng.integers(0, n + 1)), "inflight": 0}
+             for n in rng.integers(1, 10_000, size=3)]
+    used = sum(x["num_blocks"] - x["free_blocks"] for x in loads)
+    assert kv_usage(loads) == pytest.approx(used / sum(x["num_blocks"] for x in loads), rel=1e-12)
+    assert kv_usage([]) is None

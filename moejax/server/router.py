@@ -75,6 +75,13 @@ class WorkerHandle:
         return self.dead
 
 
+def kv_usage(loads: list[dict]) -> float | None:
+    """KV blocks in use over all blocks, summed over the decode workers' /internal/load answers (their
+    caches may differ in size); None without any answer."""
+    total = sum(x["num_blocks"] for x in loads)
+    return sum(x["num_blocks"] - x["free_blocks"] for x in loads) / total if total else None
+
+
 class _Rejected(Exception):
     """The prefill worker refused the request (400: bad prompt or params); not retried."""
 
@@ -177,12 +184,27 @@ class Router:
         if w.failed_checks >= HEALTH_FAILURES and w.dead is None:
             w.dead = f"{w.name} failed {w.failed_checks} health checks in a row ({why})"[:500]
 
+    async def _load(self, w: WorkerHandle) -> dict | None:
+        """A decode worker's /internal/load, or None when it does not answer in time."""
+        try:
+            async with self._session.get(w.url + "/internal/load",
+                                         timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
+                return await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
     async def _watch(self) -> None:
-        """Fails every stream held by a worker whose process exited (their HTTP calls may never end)."""
+        """Fails every stream held by a worker whose process exited (their HTTP calls may never end);
+        keeps vllm:kv_cache_usage_perc as the decode workers' KV blocks in use over their total."""
         while not self._stopped:
             remote = [w for w in [*self.prefill, *self.decode] if w.proc is None and w.dead is None]
             if remote:
                 await asyncio.gather(*(self._probe(w) for w in remote))
+            loads = await asyncio.gather(*(self._load(w) for w in self.decode if w.dead is None))
+            usage = kv_usage([x for x in loads if x is not None])
+            if usage is not None:
+                with self.metrics.lock:
+                    self.metrics.kv_usage = usage
             self._check_workers()
             if self.error is not None:
                 for stream, task in list(self._tasks.items()):
