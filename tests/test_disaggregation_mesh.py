@@ -86,7 +86,9 @@ def test_engine_threads_hand_over_and_park_without_room(engines):
     mesh, plain = engines
     rng = np.random.default_rng()
     prompts = [rng.integers(2, 320, size=int(rng.integers(3, 20))).tolist() for _ in range(6)]
-    params = [SamplingParams(max_new_tokens=int(rng.integers(4, 9)), ignore_eos=True,
+    # Long enough that no decode finishes while the six are being added (all at once: gather below), so
+    # two of them always find the four slots taken and park.
+    params = [SamplingParams(max_new_tokens=int(rng.integers(12, 17)), ignore_eos=True,
                              **(dict(temperature=0.8, seed=int(rng.integers(1 << 30))) if i % 2 else {}))
               for i in range(6)]
     want = _run(mesh, prompts, params)
@@ -100,7 +102,7 @@ def test_engine_threads_hand_over_and_park_without_room(engines):
                 assert ev is not None and ev.handoff is not None and ev.finish_reason is None
                 firsts.append(ev.token_id)
                 handoffs.append(ev.handoff)
-            streams = [await pb.add_request(h.token_ids, h.params, prefilled=h) for h in handoffs]
+            streams = await asyncio.gather(*(pb.add_request(h.token_ids, h.params, prefilled=h) for h in handoffs))
             outs = []
             for first, st in zip(firsts, streams):
                 toks = [first]
