@@ -31,8 +31,11 @@ def _sample_rows(logits, temperature, top_p, top_k, keys):
     probs = jax.nn.softmax(jnp.where(drop, -jnp.inf, sorted_logits), axis=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
     drop |= (jnp.cumsum(probs, axis=-1) - probs) >= top_p[:, None]
-    choice = jax.vmap(jax.random.categorical)(keys, jnp.where(drop, -jnp.inf, sorted_logits))
-    return jnp.take_along_axis(sorted_idx, choice[:, None], axis=-1)[:, 0]
+    # The draw (Gumbel-max) runs over the vocabulary in token order, the kept set mapped back: each
+    # token's noise is its own, not its sort rank's, so two near-equal logits whose order a last-bit
+    # difference swaps (another parallel layout, another batch) do not swap their draws.
+    drop_vocab = jnp.zeros_like(drop).at[jnp.arange(drop.shape[0])[:, None], sorted_idx].set(drop)
+    return jax.vmap(jax.random.categorical)(keys, jnp.where(drop_vocab, -jnp.inf, scaled))
 
 
 class SampleMode(NamedTuple):
