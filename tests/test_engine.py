@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_top_logprobs, log_softmax
@@ -11,6 +12,7 @@ from moejax.engine.block_manager import BlockManager
 from moejax.engine.model_runner import packed_bucket
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.sequence import Sequence
+from moejax.layers.sampler import sample
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
@@ -313,3 +315,26 @@ def test_block_manager_accounting():
     assert len(s.block_table) == 3
     bm.deallocate(s)
     assert bm.num_free == 4 and s.block_table == []
+
+
+def test_seeded_draw_does_not_follow_the_sort_order():
+    """Invariant (layers/sampler.py): a seeded draw gives each token its own noise, so two near-equal
+    logits whose order a last-bit difference swaps (another layout's rounding) keep their draws: over
+    random seeds and temperatures, logits with such a pair swapped sample the same tokens (a draw
+    indexed by sort rank swaps them whenever it lands on either, about half the draws here)."""
+    rng = np.random.default_rng()
+    V, B = 16, 512
+    base = rng.standard_normal(V).astype(np.float32) * 0.1
+    i, j = rng.choice(V, 2, replace=False)
+    a, b = base.copy(), base.copy()
+    a[i], a[j] = 2.0, np.nextafter(np.float32(2.0), np.float32(3.0))
+    b[i], b[j] = a[j], a[i]  # the pair's order swapped by one ulp
+    seeds = jnp.asarray(rng.integers(0, 1 << 32, size=B, dtype=np.uint64).astype(np.uint32))
+    pos = jnp.asarray(rng.integers(0, 4096, size=B), jnp.int32)
+    temp = jnp.asarray(rng.uniform(0.5, 1.5, size=B), jnp.float32)
+    ones, zeros = jnp.ones(B, jnp.float32), jnp.zeros(B, jnp.int32)
+    ta = sample(jnp.broadcast_to(jnp.asarray(a), (B, V)), temp, ones, zeros, seeds, pos)[0]
+    tb = sample(jnp.broadcast_to(jnp.asarray(b), (B, V)), temp, ones, zeros, seeds, pos)[0]
+    on_pair = np.isin(np.asarray(ta), [i, j])
+    assert on_pair.mean() > 0.3  # the pair does get drawn
+    assert np.array_equal(np.asarray(ta), np.asarray(tb))
