@@ -1,19 +1,50 @@
-"""Issue 18: the decode step's host-side input building, old per-row loop (a copy of model_runner.py at
-a given commit, passed as a file) against the current code, interleaved in one process. The jitted
-step is replaced by a stub that returns at once, so only the host's Python/NumPy work is timed.
-  python benchmarks/2026-12-05/host_inputs_ab.py OLD_MODEL_RUNNER.py [concurrency] [context]"""
-import importlib.util, os, sys, time, types
+"""Issue 18: the decode step's host-side input building, the old per-row loop (its code as it was,
+below) against the current ModelRunner.dispatch_decode, interleaved in one process. The jitted step is
+replaced by a stub that returns at once, so only the host's Python/NumPy work is timed; both must
+build the same arrays.
+  python benchmarks/2026-12-05/host_inputs_ab.py [concurrency] [context]"""
+import os, sys, time, types
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "scripts"))
 import numpy as np
 import bench_decode as bd
+from moejax.engine.model_runner import DecodeStep, next_pow2
+from moejax.layers.sampler import SampleMode
 from moejax.tiny.presets import preset
 from moejax.tiny.random_model import random_model
 from moejax.engine.sampling_params import SamplingParams
 
-spec = importlib.util.spec_from_file_location("old_model_runner", sys.argv[1])
-old = importlib.util.module_from_spec(spec); sys.modules["old_model_runner"] = old; spec.loader.exec_module(old)
-C = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
-ctx = int(sys.argv[3]) if len(sys.argv) > 3 else 2000
+
+def old_dispatch_decode(self, seqs, prev=None):
+    """dispatch_decode before the NumPy input building (a Python loop setting each row's fields)."""
+    ranks, per_rank = self._by_rank(seqs)
+    N, B = self.num_ranks, min(next_pow2(per_rank), next_pow2(self.max_num_seqs))
+    nb = min(next_pow2(max(len(s.block_table) for s in seqs)), next_pow2(self.max_blocks_per_seq))
+    tokens, positions, lens = (np.zeros((N, B), np.int32) for _ in range(3))
+    rows = np.full((N, B), -1, np.int32)
+    slots = np.full((N, B), self.num_slots, np.int32)
+    tables = np.zeros((N, B, nb), np.int32)
+    index = {}
+    for r, rs in enumerate(ranks):
+        for i, s in enumerate(rs):
+            pos = len(s) - 1 + s.num_pending_tokens
+            if s.num_pending_tokens:
+                rows[r, i] = prev.index[s.seq_id][1]
+            else:
+                tokens[r, i] = s.token_ids[-1]
+            positions[r, i], lens[r, i] = pos, pos + 1
+            slots[r, i] = s.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+            tables[r, i, :len(s.block_table)] = s.block_table
+            index[s.seq_id] = (r, i)
+    self.cache, sampled, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens, positions,
+                                                           slots, tables, lens, self._sampling_arrays(ranks, B),
+                                                           mode=SampleMode.of(s.params for s in seqs))
+    for s in seqs:
+        s.num_pending_tokens += 1
+    return DecodeStep(list(seqs), sampled, index)
+
+
+C = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
+ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 1900
 m = random_model(preset("v3-tiny"), "float32", kernels="xla", max_model_len=ctx + 64, max_num_seqs=C,
                  block_size=64, num_kv_blocks=C * (-(-(ctx + 64) // 64)))
 eng, r = m.engine, m.engine.runner
@@ -28,7 +59,7 @@ def stub(params, routing, cache, *args, mode):
     got["args"] = args
     return cache, None, None, None
 r._decode, r._record = stub, lambda *a: None
-variants = {"old": types.MethodType(old.ModelRunner.dispatch_decode, r), "new": r.dispatch_decode}
+variants = {"old": types.MethodType(old_dispatch_decode, r), "new": r.dispatch_decode}
 ref = {}
 for name, f in variants.items():  # the same arrays from both
     f(seqs)

@@ -73,11 +73,6 @@ class PrefilledRequest:
         return req
 
 
-def _slots(block_table: list[int], block_size: int, start: int, stop: int) -> np.ndarray:
-    pos = np.arange(start, stop)
-    return np.asarray(block_table, np.int64)[pos // block_size] * block_size + pos % block_size
-
-
 def take_prefilled(engine, seq: Sequence) -> PrefilledRequest:
     """Takes ``seq`` (prefilled, its first token sampled, not finished) out of ``engine`` with its rows.
     Engine thread only; the sequence is left finished in this engine (finish_reason "handoff")."""
@@ -89,7 +84,7 @@ def take_prefilled(engine, seq: Sequence) -> PrefilledRequest:
         raise ValueError(f"sequence {seq.seq_id} has a decode step in flight")
     n = len(seq) - 1
     runner = engine.runner
-    rows = runner.export_rows(_slots(seq.block_table, runner.block_size, 0, n), seq.dp_rank)
+    rows = runner.export_rows(runner.slots(seq.block_table, np.arange(n)), seq.dp_rank)
     rows.block_until_ready()  # read before the freed blocks can be written again by a later step
     req = PrefilledRequest(list(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.seed, seq.request_id,
                            list(seq.logprobs), list(seq.top_logprobs), n, rows)
@@ -138,7 +133,7 @@ def add_prefilled(engine, req: PrefilledRequest) -> Sequence:
     sch.prefix_cache_queries += len(seq)
     sch.prefix_cache_hits += hit
     if hit < req.num_rows:
-        slots = _slots(seq.block_table, runner.block_size, 0, req.num_rows)
+        slots = runner.slots(seq.block_table, np.arange(req.num_rows))
         slots[:hit] = runner.num_slots  # the cached prefix's rows are there already: dropped, not rewritten
         runner.import_rows(slots, req.rows, seq.dp_rank)
     seq.num_cached_tokens = req.num_rows

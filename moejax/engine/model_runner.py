@@ -249,8 +249,13 @@ class ModelRunner:
             seeds[r, :k] = [s.seed & 0xFFFFFFFF for s in seqs]
         return temp, top_p, top_k, seeds
 
-    def _slot(self, seq: Sequence, pos: int) -> int:
-        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def slots(self, block_table, pos) -> np.ndarray:
+        """Cache slots of the token positions ``pos`` (any shape) of a sequence with ``block_table``
+        (a list, or a [n, blocks] array with ``pos`` [n]: one row per sequence)."""
+        pos = np.asarray(pos)
+        table = np.asarray(block_table, np.int64)
+        block = table[pos // self.block_size] if table.ndim == 1 else table[np.arange(len(pos)), pos // self.block_size]
+        return block * self.block_size + pos % self.block_size
 
     @staticmethod
     def _gather(where: dict[int, tuple[int, int]], sampled, seqs: list[Sequence]) -> StepOutput:
@@ -319,7 +324,7 @@ class ModelRunner:
                 n = s.num_new_tokens
                 tokens[r, off:off + n] = s.token_ids[:n]
                 positions[r, off:off + n] = np.arange(n)
-                slots[r, off:off + n] = [self._slot(s, p) for p in range(n)]
+                slots[r, off:off + n] = self.slots(s.block_table, np.arange(n))
                 off += n
                 cu[r, i + 1] = off
             cu[r, len(rs) + 1:] = off
@@ -343,7 +348,7 @@ class ModelRunner:
                 tokens[r, i, :n] = s.token_ids[a:a + n]
                 positions[r, i, :n] = np.arange(a, a + n)
                 lens[r, i], ctx[r, i] = n, a + n
-                slots[r, i, :n] = [self._slot(s, p) for p in range(a, a + n)]
+                slots[r, i, :n] = self.slots(s.block_table, np.arange(a, a + n))
                 tables[r, i, :len(s.block_table)] = s.block_table
         return tokens, positions, lens, ctx, slots, tables
 
@@ -367,9 +372,6 @@ class ModelRunner:
         i_of = np.concatenate([np.arange(len(rs)) for rs in ranks])
         pending = np.array([s.num_pending_tokens for s in flat], np.int32)
         pos = np.array([len(s) for s in flat], np.int32) - 1 + pending
-        for s in (flat if pending.any() else ()):
-            if s.num_pending_tokens and (prev is None or s.seq_id not in prev.index or s.num_pending_tokens > 1):
-                raise RuntimeError(f"sequence {s.seq_id}: its pending token is not in the step in flight")
         nbl = np.array([len(s.block_table) for s in flat], np.int64)
         table = np.zeros((n, nb), np.int32)
         table[np.repeat(np.arange(n), nbl), np.arange(nbl.sum()) - np.repeat(np.cumsum(nbl) - nbl, nbl)] = \
@@ -380,9 +382,12 @@ class ModelRunner:
         tables = np.zeros((N, B, nb), np.int32)
         tokens[r_of, i_of] = [0 if s.num_pending_tokens else s.token_ids[-1] for s in flat]
         if pending.any():
+            for s in flat:
+                if s.num_pending_tokens and (prev is None or s.seq_id not in prev.index or s.num_pending_tokens > 1):
+                    raise RuntimeError(f"sequence {s.seq_id}: its pending token is not in the step in flight")
             rows[r_of, i_of] = [prev.index[s.seq_id][1] if s.num_pending_tokens else -1 for s in flat]
         positions[r_of, i_of], lens[r_of, i_of] = pos, pos + 1
-        slots[r_of, i_of] = table[np.arange(n), pos // self.block_size] * self.block_size + pos % self.block_size
+        slots[r_of, i_of] = self.slots(table, pos)
         tables[r_of, i_of] = table
         index = dict(zip([s.seq_id for s in flat], zip(r_of.tolist(), i_of.tolist())))
         if (rows >= 0).any():
