@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -22,15 +23,20 @@ from moejax.layers.fp8_policy import Fp8Policy
 from moejax.models.registry import abstract_params, build_module, parse_model_config
 from moejax.parallel import processes
 from moejax.parallel.sharding import make_mesh, param_logical_axes, put_replicated, spec
+from moejax.tiny.presets import PRESETS
+from moejax.tiny.tokenizer import temp_tokenizer_dir
 from moejax.weights.param_tree import flatten, unflatten
 from moejax.tokenizer import Tokenizer
 from moejax.weights.loader import load_hf_params
 from moejax.weights.orbax_io import restore_params, save_params
+from moejax.weights.random_params import random_device_params
 
 MARKER = "moejax.json"  # present in directories written by moejax.save
 # The saved pytree's layout. 2: DeepSeek MLA's q_a_proj and kv_a_proj_with_mqa saved as one qkv_a_proj.
 FORMAT_VERSION = 2
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# auto: the checkpoint's weights; dummy: random weights of its shapes, made on the device (vLLM's --load-format dummy).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 class ParamPlacer:
@@ -87,12 +93,14 @@ class ParamPlacer:
 
 class Model:
     """A loaded model: its EngineConfig, parameters on device, tokenizer, and (lazily) an engine.
-    ``params`` are already placed by ``placer`` (``ParamPlacer.tree`` for a whole pytree)."""
+    ``params`` are already placed by ``placer`` (``ParamPlacer.tree`` for a whole pytree).
+    ``tokenizer_dir``: where the tokenizer's files are (``save`` copies them; default ``source_dir``)."""
 
     def __init__(self, config: EngineConfig, hf_config: dict, params, tokenizer: Tokenizer, source_dir: str,
-                 placer: ParamPlacer):
+                 placer: ParamPlacer, tokenizer_dir: str | None = None):
         self.config, self.hf_config = config, hf_config
         self.tokenizer, self.source_dir = tokenizer, source_dir
+        self.tokenizer_dir = source_dir if tokenizer_dir is None else tokenizer_dir
         self.params, self.placements, self.mesh = params, placer.placements, placer.mesh
         self.routing = put_replicated(routing_tree(self.placements, 1 + config.num_redundant_experts), self.mesh)
         # Pallas or XLA kernels, picked at trace time (moejax/kernel_selection.py).
@@ -139,14 +147,69 @@ def _as_token_matrix(token_ids, vocab_size: int) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def random_weights_model(config: EngineConfig, hf_config: dict, *, seed: int = 0, params=None,
+                         source_dir: str | None = None, tokenizer_dir: str | None = None) -> Model:
+    """A Model of random weights made on the device, each device making only its own shards
+    (``random_device_params``). ``params``: already made weights to reuse (random_device_params of the
+    same model, dtype and FP8 policy). ``tokenizer_dir``: default, the tiny byte-level tokenizer
+    (moejax/tiny/tokenizer.py: 260 tokens, whatever the model's vocabulary; ids it lacks decode to
+    nothing). ``source_dir``: the name the model goes by (default ``tokenizer_dir``)."""
+    placer = ParamPlacer(config)
+    if params is None:
+        abstract = abstract_params(config.model, config.dtype, config.fp8)
+        params = random_device_params(config.model, config.dtype, seed, fp8=config.fp8,
+                                      shardings=placer.restore_shardings(abstract))
+    tokenizer_dir = temp_tokenizer_dir() if tokenizer_dir is None else tokenizer_dir
+    return Model(config, hf_config, placer.tree(params), Tokenizer(tokenizer_dir), source_dir or tokenizer_dir, placer,
+                 tokenizer_dir=tokenizer_dir)
+
+
+def _check_load_format(load_format) -> None:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+
+
+def _dummy_config(path) -> dict:
+    """load_format="dummy": the config.json contents of a directory holding one, or of a preset name."""
+    if isinstance(path, str) and os.path.isdir(path):
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.exists(cfg_path):
+            raise ValueError(f"path {path!r} has no config.json (load_format='dummy' takes a directory holding a "
+                             f"config.json, or a preset: {', '.join(sorted(PRESETS))})")
+        return load_json_file(cfg_path, "config.json")
+    if isinstance(path, str) and path in PRESETS:
+        return copy.deepcopy(PRESETS[path])
+    raise ValueError(f"path {path!r} is neither a preset nor a directory holding a config.json (load_format='dummy'); "
+                     f"presets: {', '.join(sorted(PRESETS))}")
+
+
+def tokenizer_source(path: str, load_format: str = "auto") -> str:
+    """The directory of the tokenizer files a model loaded from ``path`` uses: ``path`` itself, except
+    with load_format="dummy" where ``path`` has no tokenizer.json (a preset name, a directory holding
+    only config.json): the tiny byte-level tokenizer's (written to a new temporary directory)."""
+    _check_load_format(load_format)
+    if load_format == "dummy" and not os.path.exists(os.path.join(path, "tokenizer.json")):
+        return temp_tokenizer_dir()
+    return path
+
+
 def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max_model_len: int | None = None,
          max_num_seqs: int = 256, block_size: int = 16, num_kv_blocks: int | None = None,
          max_prefill_tokens: int = 8192, progress: bool = True, kv_cache_dtype: str = "auto",
          kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "w8a16",
          enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
-         max_preemptions: int = 16, fuse_shared_experts: str = "auto", async_scheduling: bool = False) -> Model:
+         max_preemptions: int = 16, fuse_shared_experts: str = "auto", async_scheduling: bool = False,
+         load_format: str = "auto") -> Model:
     """Loads an HF checkpoint directory of a registered family (DeepSeek-V2/V3, Step3), or one
     written by ``moejax.save``.
+
+    ``load_format``: "auto" (the checkpoint's weights) or "dummy": RANDOM weights made on the device at
+    the model's real shapes, for benchmarks and tests without the checkpoint (vLLM's ``--load-format
+    dummy``). ``path`` is then a directory holding a config.json (its tokenizer files used if present)
+    or a preset name (moejax/tiny/presets.py: "deepseek-v3", "deepseek-v2-lite", "step3", "v3-tiny",
+    ...); without tokenizer files the tiny byte-level tokenizer is used (260 tokens: prompts of token
+    ids reach the whole vocabulary). Every other argument applies as with a checkpoint (FP8 leaves
+    under weight_dtype="fp8", the parallel layout's shards made on their own devices, ...).
 
     ``parallel`` names a layout ("dp8-ep8": DP attention + EP experts over 8 devices, any N; or a
     layout shipped in configs/) or a path to one; without it the model runs on one device.
@@ -169,15 +232,19 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     slower on the H200 so far, docs/architecture.md).
     Every argument is checked by ``EngineConfig.create`` (moejax/config.py).
     """
-    if not isinstance(path, str) or not os.path.isdir(path):
+    _check_load_format(load_format)
+    if load_format == "dummy":
+        hf_config = _dummy_config(path)
+    elif not isinstance(path, str) or not os.path.isdir(path):
         raise ValueError(f"path {path!r} is not a directory")
     if processes.initialize_from_env() and parallel is None:  # a job of python -m moejax.launch: joined
         raise ValueError(f"parallel: this is one of {processes.count()} processes; name a layout whose mesh spans "
                          "them (e.g. dp8-ep8), or run one process")
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise ValueError(f"{path} has no config.json")
-    hf_config = load_json_file(cfg_path, "config.json")
+    if load_format == "auto":
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.exists(cfg_path):
+            raise ValueError(f"{path} has no config.json")
+        hf_config = load_json_file(cfg_path, "config.json")
     config = EngineConfig.create(parse_model_config(hf_config), dtype=dtype, parallel=parallel,
                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=block_size,
                                  num_kv_blocks=num_kv_blocks, max_prefill_tokens=max_prefill_tokens,
@@ -186,6 +253,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
                                  enable_prefix_caching=enable_prefix_caching,
                                  gpu_memory_utilization=gpu_memory_utilization, max_preemptions=max_preemptions,
                                  fuse_shared_experts=fuse_shared_experts, async_scheduling=async_scheduling)
+    if load_format == "dummy":
+        return random_weights_model(config, hf_config, source_dir=path, tokenizer_dir=tokenizer_source(path, "dummy"))
     placer = ParamPlacer(config)
     marker = os.path.join(path, MARKER)
     if os.path.exists(marker):
@@ -233,7 +302,7 @@ def save(model: Model, directory: str) -> None:
         with open(os.path.join(directory, "config.json"), "w") as f:
             json.dump(model.hf_config, f, indent=2)
         for fn in _TOKENIZER_FILES:
-            src = os.path.join(model.source_dir, fn)
+            src = os.path.join(model.tokenizer_dir, fn)
             if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(directory, fn)):
                 shutil.copy(src, os.path.join(directory, fn))
         with open(os.path.join(directory, MARKER), "w") as f:

@@ -4,6 +4,7 @@ DeepSeek-V3-architecture model with RANDOM weights, built on the spot (its text 
 
   python scripts/generate.py
   python scripts/generate.py --model /path/to/DeepSeek-V2-Lite --prompt "Hello" --max-new-tokens 64
+  python scripts/generate.py --model deepseek-v2-lite --load-format dummy   # RANDOM weights at its real shapes
   python -m moejax.launch --nproc 8 -- scripts/generate.py --model /path/to/DeepSeek-V3 --parallel dp8-ep8
 
 Several processes (python -m moejax.launch): every process generates the same, process 0 prints.
@@ -20,6 +21,9 @@ import moejax
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF checkpoint directory (default: the tiny random model)")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                    help="dummy: RANDOM weights made on the device at the model's shapes; --model is then a "
+                         "directory holding a config.json or a preset name (deepseek-v3, deepseek-v2-lite, ...)")
     ap.add_argument("--prompt", action="append", help="may be repeated (default: three sample prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -37,7 +41,10 @@ def main(argv=None):
         path = default_model_path()
         print(f"No --model given: using the embedded tiny DeepSeek-V3-architecture model with RANDOM weights "
               f"({path}); expect gibberish.")
-    model = moejax.load(path, dtype=a.dtype, max_model_len=a.max_model_len, parallel=a.parallel)
+    elif a.load_format == "dummy":
+        print(f"--load-format dummy: {path!r} with RANDOM weights (not read from any checkpoint); expect gibberish.")
+    model = moejax.load(path, dtype=a.dtype, max_model_len=a.max_model_len, parallel=a.parallel,
+                        load_format=a.load_format)
     prompts = a.prompt or ["The capital of France is", "def fibonacci(n):", "Mixture-of-Experts models"]
     t0 = time.perf_counter()
     results = moejax.generate(model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature,

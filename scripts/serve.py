@@ -4,6 +4,7 @@
   python scripts/serve.py                                # the embedded tiny RANDOM-weight model
   python scripts/serve.py --model /path/to/DeepSeek-V2-Lite --port 8000
   python scripts/serve.py --model /path/to/DeepSeek-V3 --parallel dp8-ep8 --kernels auto --kv-cache-dtype fp8
+  python scripts/serve.py --model deepseek-v3 --load-format dummy --weight-dtype fp8 --parallel dp8-ep8   # RANDOM
 
 Several processes (one per GPU or group of devices; docs/multiprocess.md):
 
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF checkpoint directory (default: the embedded tiny random model)")
     ap.add_argument("--served-model-name", help="the name clients use (default: the --model argument)")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                    help="auto: the checkpoint's weights; dummy: RANDOM weights made on the device at the model's "
+                         "shapes (vLLM's --load-format dummy): --model is then a directory holding a config.json "
+                         "or a preset name (deepseek-v3, deepseek-v2-lite, step3, v3-tiny, ...)")
     ap.add_argument("--parallel", help="parallel layout, passed to moejax.load: dp{N}-ep{N} (e.g. dp8-ep8), a "
                                        "shipped layout (e.g. dp8-ep8-eplb) or a path to a .yaml file")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
@@ -119,7 +124,8 @@ def build_load_kwargs(a: argparse.Namespace) -> dict:
                 kv_cache_dtype=a.kv_cache_dtype, kernels=a.kernels, weight_dtype=a.weight_dtype,
                 fp8_layers=a.fp8_layers, fp8_variant=a.fp8_variant, enable_prefix_caching=a.enable_prefix_caching,
                 gpu_memory_utilization=a.gpu_memory_utilization, max_preemptions=a.max_preemptions,
-                async_scheduling=a.async_scheduling)
+                async_scheduling=a.async_scheduling,
+                load_format=a.load_format)
 
 
 def main(argv=None) -> int:
@@ -143,6 +149,9 @@ def main(argv=None) -> int:
         name = name or "moejax-tiny-random"
         print(f"No --model given: serving the embedded tiny DeepSeek-V3-architecture model with RANDOM weights "
               f"({path}) as {name!r}; its output is gibberish.", flush=True)
+    elif a.load_format == "dummy":
+        print(f"--load-format dummy: serving {path!r} with RANDOM weights (made on the device, not read from any "
+              f"checkpoint); its output is gibberish.", flush=True)
     if not a.peer_timeout > 0:
         raise SystemExit(f"--peer-timeout must be > 0 seconds, got {a.peer_timeout}")
     if a.disaggregated:
@@ -208,6 +217,7 @@ def worker_argv(a: argparse.Namespace, role: str, port: int) -> list[str]:
             "--max-preemptions", str(a.max_preemptions), "--max-prefill-tokens", str(a.max_prefill_tokens),
             "--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching",
             "--async-scheduling" if a.async_scheduling else "--no-async-scheduling",
+            "--load-format", a.load_format,
             "--kv-pull-timeout", str(a.kv_pull_timeout), "--shutdown-timeout", str(a.shutdown_timeout)]
     for flag, v in (("--model", a.model), ("--served-model-name", a.served_model_name), ("--parallel", parallel),
                     ("--max-model-len", a.max_model_len), ("--num-kv-blocks", a.num_kv_blocks)):
@@ -294,6 +304,7 @@ def serve_disaggregated(a: argparse.Namespace, path: str, name: str) -> int:
     from moejax.server.access import AccessPolicy
     from moejax.server.app import build_app
     from moejax.server.lifecycle import Server
+    from moejax.model import tokenizer_source
     from moejax.server.router import Router
     from moejax.tokenizer import Tokenizer
     if a.role is not None or int(os.environ.get("MOEJAX_NUM_PROCESSES") or 1) > 1:
@@ -302,7 +313,7 @@ def serve_disaggregated(a: argparse.Namespace, path: str, name: str) -> int:
     try:
         router = Router(prefill, decode, name)
         names = tuple(dict.fromkeys([name, *((a.model,) if a.model else ()), path]))
-        ctx = protocol.ServingContext(names, Tokenizer(path), max_len, vocab)
+        ctx = protocol.ServingContext(names, Tokenizer(tokenizer_source(path, a.load_format)), max_len, vocab)
         origins = tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip())
         policy = AccessPolicy(api_key=a.api_key or None, allowed_origins=origins, bind_host=a.host)
         app = build_app(router, ctx, policy, int(a.max_request_mb * (1 << 20)))

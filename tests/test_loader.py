@@ -3,6 +3,7 @@
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -108,3 +109,47 @@ def test_bad_load_arguments(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="mystery"):
         moejax.load(str(tmp_path))
+
+
+def test_dummy_load_format_from_a_preset(tmp_path):
+    """load_format="dummy" with a preset name: random weights at its shapes (no checkpoint files) and the
+    tiny tokenizer, smaller than the model's vocabulary; text and token-id prompts above the tokenizer's
+    ids generate; moejax.save writes a checkpoint that loads back with the same weights."""
+    from moejax.tiny.tokenizer import VOCAB_USED
+    m = _load("v3-tiny", load_format="dummy")
+    assert m.source_dir == "v3-tiny" and m.config.model.vocab_size == 320 and m.tokenizer.vocab_size == VOCAB_USED
+    out = moejax.generate(m, ["abc", [3, 4, 300, 319]], max_new_tokens=3, ignore_eos=True)
+    assert [len(o.token_ids) for o in out] == [3, 3]
+    assert all(0 <= t < 320 for o in out for t in o.token_ids)
+    moejax.save(m, str(tmp_path))
+    again = moejax.load(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2, progress=False)
+    assert again.tokenizer.vocab_size == VOCAB_USED
+    for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(again.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_dummy_load_format_from_a_config_directory(tmp_path):
+    """load_format="dummy" with a directory holding config.json and tokenizer files (a checkpoint without
+    its weights): its tokenizer, and the other load arguments (weight_dtype="fp8": FP8 leaves; parallel:
+    the leaves sharded over the layout's mesh)."""
+    from moejax.tiny.tokenizer import write_tokenizer
+    (tmp_path / "config.json").write_text(json.dumps(preset("v2-lite-tiny")))
+    write_tokenizer(str(tmp_path))
+    m = _load(str(tmp_path), load_format="dummy", weight_dtype="fp8", parallel="dp2-ep2")
+    assert m.tokenizer_dir == str(tmp_path) and m.config.model.num_hidden_layers == 3
+    leaves = jax.tree.leaves(m.params)
+    assert any(leaf.dtype == jax.numpy.float8_e4m3fn for leaf in leaves)
+    assert m.params["layers_1"]["mlp"]["experts"]["up_proj"].sharding.mesh.size == 2
+
+
+def test_bad_load_format_arguments(tmp_path):
+    """Invariant: a bad load_format, or under "dummy" a path that is neither a preset nor a directory
+    holding config.json, is refused with an error naming the field (and listing the presets)."""
+    with pytest.raises(ValueError, match="load_format"):
+        moejax.load("v3-tiny", load_format="dumy")
+    with pytest.raises(ValueError, match="path 'deepseek-v9'.*presets: .*deepseek-v3"):
+        moejax.load("deepseek-v9", load_format="dummy")
+    with pytest.raises(ValueError, match="has no config.json.*deepseek-v3"):
+        moejax.load(str(tmp_path), load_format="dummy")
+    with pytest.raises(ValueError, match="not a directory"):  # a preset name is no checkpoint
+        moejax.load("v3-tiny")

@@ -269,11 +269,14 @@ def test_serve_forwards_load_options():
     assert (kw["parallel"], kw["kv_cache_dtype"], kw["kernels"]) == (None, "auto", "auto")
     assert serve.build_load_kwargs(ap.parse_args(["--async-scheduling"]))["async_scheduling"] is True
     assert serve.build_load_kwargs(ap.parse_args([]))["async_scheduling"] is False
+    a = ap.parse_args(["--model", "deepseek-v3", "--load-format", "dummy"])
+    assert serve.build_load_kwargs(a)["load_format"] == "dummy"
+    assert ap.parse_args(serve.worker_argv(a, "decode", 1234)).load_format == "dummy"  # disaggregated workers too
     # everything forwarded is a moejax.load parameter, with the same default
     params = inspect.signature(moejax.load).parameters
     for k, v in kw.items():
         assert k in params, k
         assert params[k].default == v, (k, params[k].default, v)
-    for bad in (["--kernels", "triton"], ["--kv-cache-dtype", "int8"]):
+    for bad in (["--kernels", "triton"], ["--kv-cache-dtype", "int8"], ["--load-format", "pt"]):
         with pytest.raises(SystemExit):
             ap.parse_args(bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -44,3 +45,10 @@ def write_tokenizer(directory: str) -> None:
             "model_max_length": 16384, "tokenizer_class": "PreTrainedTokenizerFast",
             "chat_template": CHAT_TEMPLATE,
         }, f, indent=2, ensure_ascii=False)
+
+
+def temp_tokenizer_dir() -> str:
+    """A new temporary directory holding this tokenizer's files (for models without their own)."""
+    directory = tempfile.mkdtemp(prefix="moejax-tok-")
+    write_tokenizer(directory)
+    return directory
