@@ -7,9 +7,13 @@ The weights are random: the model is for tests, demos and benchmarks, not for te
   python scripts/make_tiny_checkpoint.py OUT --preset deepseek-v2-lite --set num_hidden_layers=4 --dtype bfloat16
   python scripts/make_tiny_checkpoint.py OUT --config my_config.json --fp8 --via numpy
   python scripts/make_tiny_checkpoint.py OUT --preset step3-tiny --via numpy   (Step3: numpy only)
+
+Without --via it writes with transformers when torch and transformers can be imported (the test
+extra), else with the NumPy writer (after `pip install -e .` alone), saying so on stderr.
 """
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -23,6 +27,31 @@ def _value(text):
         return text
 
 
+def missing_for_transformers() -> str | None:
+    """The first module the transformers writer needs (torch, transformers) that cannot be imported; None: none."""
+    for name in ("torch", "transformers"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return name
+    return None
+
+
+def choose_writer(via: str | None) -> str:
+    """--via as given, or without it transformers if importable, else numpy (with a note on stderr).
+    --via transformers without torch/transformers: SystemExit naming both ways out."""
+    if via == "numpy":
+        return via
+    missing = missing_for_transformers()
+    if missing is None:
+        return "transformers"
+    if via == "transformers":
+        raise SystemExit(f"--via transformers needs {missing}, which cannot be imported: install the test extra "
+                         f"(pip install -e \".[test]\") or write with --via numpy (no torch needed)")
+    print(f"note: {missing} cannot be imported: writing with the NumPy writer (--via numpy)", file=sys.stderr)
+    return "numpy"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="output directory")
@@ -31,9 +60,10 @@ def main(argv=None):
     src.add_argument("--config", help="an HF config.json to use instead of a preset")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config.json field (value parsed as JSON)")
-    ap.add_argument("--via", choices=["transformers", "numpy"], default="transformers",
+    ap.add_argument("--via", choices=["transformers", "numpy"], default=None,
                     help="transformers: HF's own classes and save_pretrained (needs the test extra); "
-                         "numpy: moejax's writer, no torch needed")
+                         "numpy: moejax's writer, no torch needed (default: transformers if torch and "
+                         "transformers can be imported, else numpy)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--fp8", action="store_true", help="store projections as FP8 e4m3 with 128x128 block scales")
     ap.add_argument("--seed", type=int, default=0)
@@ -46,6 +76,7 @@ def main(argv=None):
             ap.error(f"--set expects KEY=VALUE, got {kv!r}")
         k, v = kv.split("=", 1)
         cfg[k] = _value(v)
+    a.via = choose_writer(a.via)
     if a.via == "transformers":
         if cfg.get("model_type") in ("step3_text", "step3_vl"):
             ap.error(f"model_type {cfg['model_type']!r}: transformers has no Step3 class; use --via numpy")

@@ -2,7 +2,8 @@
 moejax.configs), dp{N}-ep{N} layouts are generated, and scripts/serve.py forwards moejax.load's
 options. The slow test builds the wheel, installs it (not editable) into a fresh venv and loads
 layouts (and the FFI extension, built by setup.py) from that install; then installs the same tree
-editable into the venv and checks again."""
+editable into the venv and checks again. scripts/make_tiny_checkpoint.py runs without torch (the
+NumPy writer)."""
 
 import importlib.util
 import inspect
@@ -280,3 +281,26 @@ def test_serve_forwards_load_options():
     for bad in (["--kernels", "triton"], ["--kv-cache-dtype", "int8"], ["--load-format", "pt"]):
         with pytest.raises(SystemExit):
             ap.parse_args(bad)
+
+
+def test_make_tiny_checkpoint_without_torch(tmp_path):
+    """scripts/make_tiny_checkpoint.py after `pip install -e .` alone (torch and transformers made
+    unimportable by a sitecustomize): without --via it writes with the NumPy writer and says so on
+    stderr; --via transformers exits non-zero naming the test extra and --via numpy."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\nsys.modules['transformers'] = None\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_checkpoint.py"), *args], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    r = run(str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr
+    assert "torch cannot be imported" in r.stderr and "--via numpy" in r.stderr
+    assert (tmp_path / "a" / "config.json").exists() and (tmp_path / "a" / "model.safetensors").exists()
+    r = run(str(tmp_path / "b"), "--via", "transformers")
+    assert r.returncode != 0 and 'pip install -e ".[test]"' in r.stderr and "--via numpy" in r.stderr, r.stderr
+    assert not (tmp_path / "b").exists()
