@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from moejax.engine import scheduling_policy as _policy
 from moejax.kernel_selection import KERNEL_MODES, SHARED_FUSION
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.kv_quant import KV_CACHE_DTYPES
@@ -49,6 +50,9 @@ class SchedulerConfig:
     # Build decode step t+1 while step t runs, reading t's tokens one step late. Off by default: on the
     # H200 it measured slower than the synchronous loop (benchmarks/2026-12-04/host_overhead.txt).
     async_scheduling: bool = False
+    # When a prefill step may run while sequences decode (moejax/engine/scheduling_policy.py): "prefill-first"
+    # (throughput), "interleave:N" or "token-budget:T" (bound the stall of running streams).
+    scheduling_policy: str = _policy.DEFAULT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +73,8 @@ class EngineConfig:
                kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
                fp8_variant: str = "w8a16", enable_prefix_caching: bool = True,
                gpu_memory_utilization: float = 0.9, max_preemptions: int = 16,
-               fuse_shared_experts: str = "auto", async_scheduling: bool = False) -> "EngineConfig":
+               fuse_shared_experts: str = "auto", async_scheduling: bool = False,
+               scheduling_policy: str = _policy.DEFAULT) -> "EngineConfig":
         """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
 
         ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8), "fp8" also
@@ -78,7 +83,8 @@ class EngineConfig:
         "default" or a comma list). ``fp8_variant``: "w8a16" or "w8a8".
         ``gpu_memory_utilization`` (0, 1]: the share of device memory the cache is sized to fill when
         ``num_kv_blocks`` is None. ``max_preemptions``: how often a sequence may be preempted before
-        it is finished with an error."""
+        it is finished with an error. ``scheduling_policy``: "prefill-first", "interleave:N" or
+        "token-budget:T" (moejax/engine/scheduling_policy.py)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kernels not in KERNEL_MODES:
@@ -99,6 +105,7 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if not isinstance(async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
+        scheduling_policy = _policy.canonical(scheduling_policy)  # ValueError naming it and the options
         if num_kv_blocks is not None and not _positive_int(num_kv_blocks):
             raise ValueError(f"num_kv_blocks must be a positive integer or None, got {num_kv_blocks!r}")
         if (not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
@@ -137,7 +144,7 @@ class EngineConfig:
         return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels, fp8=fp8,
                    fuse_shared_experts=fuse_shared_experts,
                    scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens, max_preemptions,
-                                             async_scheduling),
+                                             async_scheduling, scheduling_policy),
                    cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching,
                                      float(gpu_memory_utilization)))
 

@@ -199,7 +199,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
          kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "w8a16",
          enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
          max_preemptions: int = 16, fuse_shared_experts: str = "auto", async_scheduling: bool = False,
-         load_format: str = "auto") -> Model:
+         scheduling_policy: str = "prefill-first", load_format: str = "auto") -> Model:
     """Loads an HF checkpoint directory of a registered family (DeepSeek-V2/V3, Step3), or one
     written by ``moejax.save``.
 
@@ -252,7 +252,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
                                  fp8_layers=fp8_layers, fp8_variant=fp8_variant,
                                  enable_prefix_caching=enable_prefix_caching,
                                  gpu_memory_utilization=gpu_memory_utilization, max_preemptions=max_preemptions,
-                                 fuse_shared_experts=fuse_shared_experts, async_scheduling=async_scheduling)
+                                 fuse_shared_experts=fuse_shared_experts, async_scheduling=async_scheduling,
+                                 scheduling_policy=scheduling_policy)
     if load_format == "dummy":
         return random_weights_model(config, hf_config, source_dir=path, tokenizer_dir=tokenizer_source(path, "dummy"))
     placer = ParamPlacer(config)

@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                     help="build decode step t+1 while step t runs, reading t's tokens one step late (vLLM's async "
                          "scheduling; off by default: slower than the synchronous loop in its first H200 run)")
+    ap.add_argument("--scheduling-policy", type=_scheduling_policy, default="prefill-first",
+                    help="when a prefill step may run while sequences decode: prefill-first (whenever a prompt "
+                         "waits and fits: throughput), interleave:N (at most N prefill steps in a row, then a "
+                         "decode step), token-budget:T (at most T prompt tokens between two decode steps); "
+                         "docs/serving.md")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds SIGTERM/SIGINT lets requests in flight finish before aborting them (exit 0)")
     ap.add_argument("--api-key", default=os.environ.get("MOEJAX_API_KEY"),
@@ -117,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _scheduling_policy(spec: str) -> str:
+    """--scheduling-policy's value, checked as moejax.load checks it: a bad one is a usage error."""
+    from moejax.engine.scheduling_policy import canonical
+    try:
+        return canonical(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_load_kwargs(a: argparse.Namespace) -> dict:
     """moejax.load's keyword arguments from the parsed command line."""
     return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, block_size=a.block_size,
@@ -124,7 +138,7 @@ def build_load_kwargs(a: argparse.Namespace) -> dict:
                 kv_cache_dtype=a.kv_cache_dtype, kernels=a.kernels, weight_dtype=a.weight_dtype,
                 fp8_layers=a.fp8_layers, fp8_variant=a.fp8_variant, enable_prefix_caching=a.enable_prefix_caching,
                 gpu_memory_utilization=a.gpu_memory_utilization, max_preemptions=a.max_preemptions,
-                async_scheduling=a.async_scheduling,
+                async_scheduling=a.async_scheduling, scheduling_policy=a.scheduling_policy,
                 load_format=a.load_format)
 
 
@@ -217,6 +231,7 @@ def worker_argv(a: argparse.Namespace, role: str, port: int) -> list[str]:
             "--max-preemptions", str(a.max_preemptions), "--max-prefill-tokens", str(a.max_prefill_tokens),
             "--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching",
             "--async-scheduling" if a.async_scheduling else "--no-async-scheduling",
+            "--scheduling-policy", a.scheduling_policy,
             "--load-format", a.load_format,
             "--kv-pull-timeout", str(a.kv_pull_timeout), "--shutdown-timeout", str(a.shutdown_timeout)]
     for flag, v in (("--model", a.model), ("--served-model-name", a.served_model_name), ("--parallel", parallel),

@@ -140,6 +140,11 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self._plan(seq) is not None
 
+    def cached_tokens(self, seq: Sequence) -> int | None:
+        """The tokens allocate(seq) would find in the prefix cache now; None when it cannot allocate."""
+        plan = self._plan(seq)
+        return None if plan is None else len(plan[1]) * self.block_size
+
     def allocate(self, seq: Sequence) -> int:
         """Blocks for every token the sequence has now (its prefill), on the chosen rank, reusing
         its longest cached prefix. Returns the number of tokens found in the cache."""

@@ -78,7 +78,7 @@ class LLMEngine:
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, runner.max_num_seqs * runner.num_ranks,
                                    config.scheduler.max_prefill_tokens, config.scheduler.max_preemptions,
-                                   runner.max_model_len)
+                                   runner.max_model_len, config.scheduler.scheduling_policy)
         self.stats = EngineStats()
         # Seeds of requests that bring none: the same in every process of a multi-process job.
         self._rng = random.Random(shared_seed())

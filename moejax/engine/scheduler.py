@@ -3,11 +3,14 @@ running queue. Prefill and decode never share a batch.
 
 Prefill steps are bounded by ``max_prefill_tokens``: a prompt longer than what is
 left of the budget is prefilled in chunks over several steps (each chunk attends to
-its own tokens and to the latents already in the paged cache). While a prompt is
-part-way through, each of its chunks is followed by one decode step of the running
-sequences, so a long prompt does not stall running streams for its whole prefill.
-New prompts wait for the next step rather than being cut when others are in the
-batch already; one alone is cut to the budget.
+its own tokens and to the latents already in the paged cache). New prompts wait for the
+next step rather than being cut when others are in the batch already; one alone is cut to
+the budget.
+
+Whether a prefill step may run while sequences decode is the scheduling policy's choice
+(moejax/engine/scheduling_policy.py: prefill-first, interleave:N, token-budget:T), and so is
+the rule that a chunk leaving its prompt part-way is followed by one decode step of the
+running sequences. ``prefill_ready`` asks the policy exactly as ``schedule`` does.
 
 Admission is bounded by free KV blocks (all of a prompt's blocks are taken at
 admission, sharing those of its longest cached prefix: block_manager.py). When a
@@ -24,12 +27,13 @@ from __future__ import annotations
 from collections import deque
 
 from moejax.engine.block_manager import BlockManager
+from moejax.engine.scheduling_policy import DEFAULT, SchedulingPolicy
 from moejax.engine.sequence import Sequence, Status
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_prefill_tokens: int,
-                 max_preemptions: int = 16, max_model_len: int | None = None):
+                 max_preemptions: int = 16, max_model_len: int | None = None, scheduling_policy: str = DEFAULT):
         self.blocks = block_manager
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.max_num_seqs = max_num_seqs
@@ -42,7 +46,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's metric)
         self.prefix_cache_hits = 0  # ... of which found there
-        self._decode_next = False  # a chunked prompt yields one step to the running streams
+        self.policy = SchedulingPolicy(scheduling_policy)  # when a prefill may run while sequences decode
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -53,12 +57,14 @@ class Scheduler:
     def schedule(self) -> tuple[str, list[Sequence]]:
         """Returns ("prefill", seqs), ("decode", seqs) or ("idle", []). A prefill
         sequence's ``num_new_tokens`` is the chunk this step computes, from ``num_cached_tokens``."""
-        if not (self._decode_next and self.running):
-            batch = self._schedule_prefill()
+        decoding = bool(self.running)
+        if self.policy.prefill_may_run(decoding):
+            batch = self._schedule_prefill(decoding)
             if batch:
-                self._decode_next = any(s.num_cached_tokens + s.num_new_tokens < len(s) for s in batch)
+                self.policy.prefilled(sum(s.num_new_tokens for s in batch),
+                                      any(s.num_cached_tokens + s.num_new_tokens < len(s) for s in batch))
                 return "prefill", batch
-        self._decode_next = False
+        self.policy.decoded()
 
         decode: list[Sequence] = []
         kept: list[Sequence] = []  # running, in their order: the decode batch and those held back
@@ -84,28 +90,44 @@ class Scheduler:
         """Whether schedule() would now return a prefill (it changes nothing). With async scheduling the
         engine reads the decode step in flight first: a prefill may admit a preempted sequence, whose
         tokens must all be on the host."""
-        if self._decode_next and self.running:
+        decoding = bool(self.running)
+        if not self.policy.prefill_may_run(decoding):
             return False
-        if self.prefilling:
-            return True
-        return (bool(self.waiting) and len(self.running) + len(self.prefilling) < self.max_num_seqs
-                and self.blocks.can_allocate(self.waiting[0]))
+        chunk = self._first_chunk()  # schedule()'s prefill batch is empty exactly when its first is refused
+        return chunk is not None and self.policy.admits(decoding, 0, chunk)
 
-    def _schedule_prefill(self) -> list[Sequence]:
+    def _first_chunk(self) -> int | None:
+        """The tokens the first sequence of a prefill step built now would compute (as _schedule_prefill
+        cuts it); None when no sequence could be admitted (no slot or no blocks)."""
+        if self.prefilling:
+            seq = self.prefilling[0]
+            return min(len(seq) - seq.num_cached_tokens, self.max_prefill_tokens)
+        if not self.waiting or len(self.running) + len(self.prefilling) >= self.max_num_seqs:
+            return None
+        cached = self.blocks.cached_tokens(self.waiting[0])
+        return None if cached is None else min(len(self.waiting[0]) - cached, self.max_prefill_tokens)
+
+    def _schedule_prefill(self, decoding: bool) -> list[Sequence]:
         budget = self.max_prefill_tokens
         batch: list[Sequence] = []
         for seq in self.prefilling:  # prompts part-way through go first
             if budget == 0:
                 break
-            seq.num_new_tokens = min(len(seq) - seq.num_cached_tokens, budget)
-            budget -= seq.num_new_tokens
+            chunk = min(len(seq) - seq.num_cached_tokens, budget)
+            if not self.policy.admits(decoding, self.max_prefill_tokens - budget, chunk):
+                return batch  # nothing admitted ahead of it
+            seq.num_new_tokens = chunk
+            budget -= chunk
             batch.append(seq)
         while self.waiting and budget > 0 and \
                 len(self.running) + len(self.prefilling) < self.max_num_seqs:
             seq = self.waiting[0]
             if batch and len(seq) > budget:  # the whole prompt, or wait for the next step
                 break
-            if not self.blocks.can_allocate(seq):
+            cached = self.blocks.cached_tokens(seq)
+            if cached is None:  # no blocks for it now
+                break
+            if not self.policy.admits(decoding, self.max_prefill_tokens - budget, min(len(seq) - cached, budget)):
                 break
             self.waiting.popleft()
             hit = self.blocks.allocate(seq)
