@@ -82,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "waits and fits: throughput), interleave:N (at most N prefill steps in a row, then a "
                          "decode step), token-budget:T (at most T prompt tokens between two decode steps); "
                          "docs/serving.md")
-    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
-                    help="seconds SIGTERM/SIGINT lets requests in flight finish before aborting them (exit 0)")
+    ap.add_argument("--shutdown-timeout", type=float, default=20.0,
+                    help="seconds SIGTERM/SIGINT lets requests in flight finish before aborting them (exit 0); "
+                         "the default (lifecycle.DEFAULT_SHUTDOWN_TIMEOUT_S) exits within 25 s, inside "
+                         "Kubernetes' default 30 s grace period")
     ap.add_argument("--api-key", default=os.environ.get("MOEJAX_API_KEY"),
                     help="require 'Authorization: Bearer <key>' on /v1/* (default: $MOEJAX_API_KEY; none: open)")
     ap.add_argument("--allowed-origins", default="",

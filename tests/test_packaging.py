@@ -283,6 +283,13 @@ def test_serve_forwards_load_options():
             ap.parse_args(bad)
 
 
+def test_serve_shutdown_timeout_default():
+    """scripts/serve.py's --shutdown-timeout defaults to the lifecycle's drain default (whose exit fits
+    Kubernetes' 30 s grace: tests/test_server_faults.py)."""
+    from moejax.server.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S
+    assert _serve_module().build_parser().parse_args([]).shutdown_timeout == DEFAULT_SHUTDOWN_TIMEOUT_S
+
+
 def test_make_tiny_checkpoint_without_torch(tmp_path):
     """scripts/make_tiny_checkpoint.py after `pip install -e .` alone (torch and transformers made
     unimportable by a sitecustomize): without --via it writes with the NumPy writer and says so on

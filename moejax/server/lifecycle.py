@@ -4,7 +4,10 @@
 
 - stop: the listening socket closes (no new connections), new requests on open connections get
   503, requests in flight may finish for up to ``shutdown_timeout`` seconds; what is left then
-  gets an error event (streams: then ``[DONE]``) or a 503, and run returns 0;
+  gets an error event (streams: then ``[DONE]``) or a 503, and run returns 0 at most
+  ``EXIT_AFTER_DRAIN_S`` later (the engine's step in progress aside). With the default
+  ``shutdown_timeout`` the process exits within 25 s of SIGTERM: inside Kubernetes' default 30 s
+  terminationGracePeriodSeconds, before its SIGKILL;
 - engine dead: every request in flight gets its error (async_engine.py; here, when the engine was
   declared dead from outside its thread: another process of a multi-process server died), /health
   answers 503 (for DEAD_REPORT_S before the listener closes); run returns 1 within seconds, so the
@@ -22,13 +25,20 @@ from aiohttp import web
 
 from moejax.server.app_keys import ENGINE_KEY, STATE_KEY
 
-FLUSH_S = 2.0  # time given to handlers to write their last events before connections are closed
+FLUSH_S = 2.0  # after the drain: time given to handlers to write their last events (an error event, [DONE])
+# Then the connections close, all together (aiohttp's shutdown_timeout): a handler still running gets this
+# long to finish, then is cancelled and gets this long again.
+CLOSE_S = 0.5
+EXIT_AFTER_DRAIN_S = FLUSH_S + 2 * CLOSE_S  # the most run() takes after the drain deadline (engine's last step aside)
+# The drain's default (scripts/serve.py --shutdown-timeout): with EXIT_AFTER_DRAIN_S, the last engine step and
+# the interpreter's exit, the process is gone within 25 s of SIGTERM (Kubernetes kills it at 30 s by default).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 ENGINE_POLL_S = 0.2
 DEAD_REPORT_S = 1.0  # /health answers 503 (engine dead) this long before the listener closes
 
 
 class Server:
-    def __init__(self, app: web.Application, host: str, port: int, shutdown_timeout: float = 30.0,
+    def __init__(self, app: web.Application, host: str, port: int, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                  exit_on_engine_death: bool = True):
         """exit_on_engine_death=False keeps serving 503s after the engine died (embedded servers, tests)."""
         if not shutdown_timeout >= 0:
@@ -62,7 +72,7 @@ class Server:
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._stop.set)
-        runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=FLUSH_S)
+        runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=CLOSE_S)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
