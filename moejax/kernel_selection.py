@@ -455,3 +455,18 @@ def prefill_segment(batch: int, heads: int, max_len: int, block_size: int) -> in
     seg = max(block_size, (4096 * 128) // max(heads, 1))
     seg = min(seg, -(-max_len // block_size) * block_size)
     return max(block_size, seg // block_size * block_size)
+
+
+# ------------------------------------------------------------------ decode shapes
+def decode_reads_whole_table(cfg, cache_dtype, mode: str) -> bool:
+    """Whether decode attention's cost grows with the block-table width (the XLA gather path reads
+    every column) rather than each sequence's live tiles only (the Pallas kernel): the engine then
+    keeps several table widths (moejax/engine/buckets.py), else only the longest."""
+    probe_len = 1 << 12  # the choice does not depend on the length (only the kernel's tiling does)
+    if hasattr(cfg, "kv_lora_rank"):  # MLA
+        c = select_mla(1, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, probe_len, 16,
+                       cache_dtype, mode)
+    else:  # MFA
+        c = select_mfa(1, cfg.num_attention_heads, cfg.head_dim, cfg.num_attention_groups, probe_len, 16,
+                       cache_dtype, mode)
+    return c.impl != "pallas"

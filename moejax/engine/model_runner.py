@@ -1,14 +1,13 @@
 """Owns the device state (parameters, expert placement, paged latent cache) and the compiled steps.
 
-Shapes are padded to buckets so the compiled programs are reused: the per-rank
-decode batch to a power of two (up to max_num_seqs) and the block-table width to
-a power of two of the longest live context. A prefill of whole prompts (nothing cached)
-packs each rank's prompts back to back in one token stream with cumulative offsets
-(``cu_seqlens``; no padding to the longest prompt), the stream padded to ``packed_bucket``
-of its length and the number of prompts to a power of two. A chunked or prefix-cached
-prefill pads to (batch, chunk length) powers of two and its block-table width.
-Steady-state decoding therefore compiles nothing new. The cache
-is donated to every step, so XLA updates it in place.
+Shapes are padded to buckets (moejax/engine/buckets.py: every rule, and why the set is small) so
+the compiled programs are reused, and the whole set is compiled before serving (``precompile``):
+no request compiles anything. A prefill of whole prompts (nothing cached) packs each rank's
+prompts back to back in one token stream with cumulative offsets (``cu_seqlens``; no padding to
+the longest prompt); a chunked or prefix-cached prefill pads to (chunks, chunk length). A batch
+that fits no bucket runs as several steps. Each step computes the logits of the rows to sample;
+a separate small program per (rows, SampleMode) samples them, so sampling variants do not
+multiply the whole-model programs. The cache is donated to every step, so XLA updates it in place.
 
 Across several processes (moejax/parallel/processes.py) every process builds the same host arrays
 (the same schedule) and passes them to the same jitted step: jit transfers each process's rank
@@ -23,19 +22,26 @@ through the MoE dispatch backend's collectives).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import logging
+import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from tqdm.auto import tqdm
 
+from moejax import kernel_selection
 from moejax.config import EngineConfig
+from moejax.engine.buckets import Buckets, next_pow2, token_bucket
 from moejax.engine.sequence import Sequence
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
-from moejax.layers.sampler import SampleMode, sample
+from moejax.layers.sampler import MAX_TOP_LOGPROBS, SampleMode, sample
 from moejax.parallel.processes import agree_min, to_host
 from moejax.parallel.sharding import RANK, REPLICATED, param_specs
 
@@ -48,16 +54,12 @@ class StepOutput:
     top_logprobs: list  # [n]: None, or the sequence's top_logprobs best (token id, logprob), descending
 
 
-def next_pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+log = logging.getLogger("moejax.precompile")
 
 
 def packed_bucket(n: int) -> int:
-    """Tokens of a packed prefill stream of n: a multiple of 16 up to 128, then four buckets per
-    power of two (1.25, 1.5, 1.75 and 2 x 2^k), so padding stays under 25% of the stream and a
-    power of two of prompt lengths compiles four programs."""
-    step = max(16, next_pow2(n) // 8)
-    return -(-max(n, 1) // step) * step
+    """Tokens of a packed prefill stream of n (buckets.token_bucket)."""
+    return token_bucket(n)
 
 
 STEP_RESERVE_BYTES = 2 << 30  # device memory left for the step's activations and compiled programs
@@ -131,15 +133,24 @@ class ModelRunner:
         self.trace_counts: collections.Counter[str] = collections.Counter()
         self.last_expert_counts = self.last_dispatched = None
         self.last_prefill_tokens = 0  # tokens per rank the last prefill step computed, padding included
+        cache_dtype = cache_array_dtype(config.cache.kv_cache_dtype, config.dtype, config.kernels)
+        self.buckets = Buckets(self.max_num_seqs, config.scheduler.max_prefill_tokens, self.max_blocks_per_seq,
+                               kernel_selection.decode_reads_whole_table(cfg, cache_dtype, config.kernels))
         self._prefill = self._compile(self._prefill_rank, "prefill", with_cache=True)
         self._prefill_paged = self._compile(self._prefill_paged_rank, "prefill_paged", with_cache=True)
         self._decode = self._compile(self._decode_rank, "decode", with_cache=True)
-        self._score = self._compile(self._score_rank, "score", with_cache=False, sampling=False)
+        self._score = self._compile(self._score_rank, "score", with_cache=False)
+        self._sample = self._compile_sample()
+        # Decode input tokens live here whether the host or the step in flight (feed) gives them: one
+        # sharding, so the decode step is one program for both.
+        self._tok_sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
+                              else NamedSharding(mesh, RANK))
+
         def feed(prev, rows, host):
             self.trace_counts["feed"] += 1
             return _feed(prev, rows, host)
-        # Same rank layout as the steps' outputs, so the decode step sees the sharding it always does.
-        self._feed = jax.jit(feed) if mesh is None else jax.jit(feed, out_shardings=NamedSharding(mesh, RANK))
+        self._feed = jax.jit(feed, out_shardings=self._tok_sharding, **self._one_device())
+        self.precompiled = False
 
         def export(cache, rank, slots):
             self.trace_counts["export_rows"] += 1
@@ -174,34 +185,29 @@ class ModelRunner:
                 jnp.stack([sum(e["dispatched"]) for e in ex]))
 
     # ----- per-rank compiled bodies ----------------------------------------
-    def _prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots, samp, mode):
+    def _prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots):
         """Whole prompts packed in one stream: tokens, positions, slots [T]; cu_seqlens [B + 1]."""
         v = self._vars(params, routing)
         (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, None, cache, slots, None, None,
                                                              None, cu_seqlens, method="prefill")
         last = h[jnp.maximum(cu_seqlens[1:] - 1, 0)]  # each prompt's last token
-        sampled = sample(self.module.apply(v, last, method="logits"), *samp,
-                         positions=cu_seqlens[1:] - cu_seqlens[:-1], mode=mode)
-        return cache, sampled, counts, dispatched
+        return cache, self.module.apply(v, last, method="logits"), counts, dispatched
 
-    def _prefill_paged_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots, block_tables,
-                            samp, mode):
+    def _prefill_paged_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots, block_tables):
         B = tokens.shape[0]
         v = self._vars(params, routing)
         (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, seq_lens, cache, slots,
                                                              block_tables, ctx_lens, self.block_size,
                                                              method="prefill")
         last = h[jnp.arange(B), jnp.maximum(seq_lens - 1, 0)]
-        sampled = sample(self.module.apply(v, last, method="logits"), *samp, positions=ctx_lens, mode=mode)
-        return cache, sampled, counts, dispatched
+        return cache, self.module.apply(v, last, method="logits"), counts, dispatched
 
-    def _decode_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens, samp, mode):
+    def _decode_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens):
         v = self._vars(params, routing)
         (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, cache, slots, block_tables,
                                                              jnp.maximum(seq_lens, 1), self.block_size,
                                                              method="decode")
-        sampled = sample(self.module.apply(v, h, method="logits"), *samp, positions=positions + 1, mode=mode)
-        return cache, sampled, counts, dispatched
+        return cache, self.module.apply(v, h, method="logits"), counts, dispatched
 
     def _score_rank(self, params, routing, tokens):
         B, S = tokens.shape
@@ -210,25 +216,128 @@ class ModelRunner:
         (h, _), _, _ = self._apply_counted(v, tokens, positions, jnp.full((B,), S, jnp.int32), method="prefill")
         return (self.module.apply(v, h, method="logits"),)
 
-    def _compile(self, rank_fn, name: str, with_cache: bool, sampling: bool = True):
-        """jit (and, on a mesh, shard_map) a per-rank body over inputs with a leading rank axis. A
-        step that samples takes the batch's SampleMode as the static keyword ``mode`` (one
-        compiled variant per mode: layers/sampler.py says why it is not decided on the device)."""
-        def per_rank(params, routing, *args, **static):
+    def _compile(self, rank_fn, name: str, with_cache: bool):
+        """jit (and, on a mesh, shard_map) a per-rank body over inputs with a leading rank axis."""
+        def per_rank(params, routing, *args):
             self.trace_counts[name] += 1
-            outs = rank_fn(params, routing, *jax.tree.map(lambda a: a[0], args), **static)
+            outs = rank_fn(params, routing, *jax.tree.map(lambda a: a[0], args))
             return jax.tree.map(lambda a: a[None], outs)
 
         if self.mesh is not None:
             mesh, specs = self.mesh, param_specs(self.params)
 
-            def fn(params, routing, *args, **static):
-                body = functools.partial(per_rank, **static)
-                return jax.shard_map(body, mesh=mesh, in_specs=(specs, REPLICATED, *([RANK] * len(args))),
+            def fn(params, routing, *args):
+                return jax.shard_map(per_rank, mesh=mesh, in_specs=(specs, REPLICATED, *([RANK] * len(args))),
                                      out_specs=RANK, check_vma=False)(params, routing, *args)
         else:
             fn = per_rank
-        return jax.jit(fn, donate_argnums=(2,) if with_cache else (), static_argnames=("mode",) if sampling else ())
+        return jax.jit(fn, donate_argnums=(2,) if with_cache else (), **self._one_device())
+
+    def _one_device(self) -> dict:
+        """On one device every argument is pinned to it: jit would otherwise key its programs on whether
+        an input is a committed array or host memory, and a precompiled program would be built again."""
+        return {"in_shardings": SingleDeviceSharding(jax.local_devices()[0])} if self.mesh is None else {}
+
+    def _compile_sample(self):
+        """The sampler over a step's logits [N, B, V] (each rank its own rows), one compiled variant per
+        SampleMode (static ``mode``, the last argument: layers/sampler.py says why it is not decided on the
+        device)."""
+        def per_rank(logits, temp, top_p, top_k, seeds, positions, mode):
+            self.trace_counts["sample"] += 1
+            out = sample(logits[0], temp[0], top_p[0], top_k[0], seeds[0], positions[0], mode=mode)
+            return jax.tree.map(lambda a: a[None], out)
+
+        if self.mesh is None:
+            fn = per_rank
+        else:
+            mesh = self.mesh
+
+            def fn(*args):
+                *arrays, mode = args
+                return jax.shard_map(functools.partial(per_rank, mode=mode), mesh=mesh, in_specs=RANK,
+                                     out_specs=RANK, check_vma=False)(*arrays)
+        # ``mode`` is the last positional argument (jit takes no keywords with in_shardings).
+        return jax.jit(fn, static_argnums=(6,), **self._one_device())
+
+    # ----- start-up compilation ---------------------------------------------
+    def _step_lowerings(self) -> list[tuple[str, int, object]]:
+        """(label, sample rows, thunk giving the Lowered step) for every model step in the bucket set."""
+        N, P, R, C = self.num_ranks, self.params, self.routing, self.cache
+        i32 = lambda *shape: np.zeros((N, *shape), np.int32)  # noqa: E731
+        out = []
+        for B, W in self.buckets.decode_shapes():
+            tok = self._abstract((N, B), jnp.int32, self._tok_sharding)
+            out.append((f"decode B={B} W={W}", B, functools.partial(
+                self._decode.lower, P, R, C, tok, i32(B), i32(B), i32(B, W), i32(B))))
+        for T, B in self.buckets.packed_shapes():
+            out.append((f"prefill T={T} B={B}", B, functools.partial(
+                self._prefill.lower, P, R, C, i32(T), i32(T), i32(B + 1), i32(T))))
+        for B, S in self.buckets.paged_shapes():
+            out.append((f"prefill_paged B={B} S={S}", B, functools.partial(
+                self._prefill_paged.lower, P, R, C, i32(B, S), i32(B, S), i32(B), i32(B), i32(B, S),
+                i32(B, self.buckets.max_width))))
+        return out
+
+    def _abstract(self, shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+        """A device input as jit will see it: on one device its sharding is left unspecified (as jit treats
+        a committed single-device array), on a mesh it is the array's own."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding if self.mesh is not None else None)
+
+    def precompile(self, progress: bool = True, threads: int | None = None) -> dict:
+        """Compiles every program this configuration can run (buckets.py: the decode, packed-prefill and
+        paged-prefill shapes, the sampler per rows and SampleMode, the decode input gather), so no
+        request compiles anything; with JAX's persistent cache (moejax/compilation.py) a restart loads
+        them instead. Tracing runs here, XLA's compiles in ``threads`` threads (default: the CPU count,
+        at most 8; $MOEJAX_COMPILE_THREADS). Returns {"programs", "seconds"}; logs one line a program."""
+        t0 = time.perf_counter()
+        threads = threads or int(os.environ.get("MOEJAX_COMPILE_THREADS") or min(8, os.cpu_count() or 1))
+        steps = self._step_lowerings()
+        modes = [SampleMode(r, t) for r in (False, True) for t in (False, True)]
+        n_sample = len({b for _, b, _ in steps}) * len(modes)
+        n_feed = len(self.buckets.decode_shapes()) // len(self.buckets.decode_widths)
+        total = len(steps) + n_sample + n_feed ** 2
+        bar = tqdm(total=total, desc="Compiling programs", unit="prog", disable=not progress)
+        done = [0]
+
+        def compile_one(label, lowered):
+            t = time.perf_counter()
+            compiled = lowered.compile()
+            done[0] += 1
+            log.info("compiled %s in %.2f s (%d/%d)", label, time.perf_counter() - t, done[0], total)
+            bar.update(1)
+            return compiled
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="moejax-compile") as pool:
+            def run(items):  # [(label, thunk)] traced here, compiled in the pool
+                futs = [pool.submit(compile_one, label, thunk()) for label, thunk in items]
+                return [f.result() for f in futs]
+
+            compiled = run([(label, thunk) for label, _, thunk in steps])
+            # The sampler and the gather take what the steps give them: their exact shardings and dtypes.
+            logits = {}
+            for (_, rows, _), c in zip(steps, compiled):
+                info = jax.tree.leaves(c.out_info)[1] if hasattr(c, "out_info") else None
+                shard = c.output_shardings[1]
+                shape = (self.num_ranks, rows, self.cfg.vocab_size)
+                logits.setdefault((rows, str(shard)), self._abstract(
+                    shape, info.dtype if info is not None else jnp.float32, shard))
+            samp = lambda b: (np.zeros((self.num_ranks, b), np.float32), np.ones((self.num_ranks, b), np.float32),  # noqa: E731
+                              np.zeros((self.num_ranks, b), np.int32), np.zeros((self.num_ranks, b), np.uint32),
+                              np.zeros((self.num_ranks, b), np.int32))
+            sample_items = [(f"sample rows={sds.shape[1]} {m}", functools.partial(
+                self._sample.lower, sds, *samp(sds.shape[1]), m)) for sds in logits.values() for m in modes]
+            sampled = run(sample_items)
+            tok_shard = next(c.output_shardings[0] for (label, _), c in zip(sample_items, sampled))
+            batches = [b for b, _ in self.buckets.decode_shapes()[::len(self.buckets.decode_widths)]]
+            feed_items = [(f"feed {bp}->{b}", functools.partial(
+                self._feed.lower, self._abstract((self.num_ranks, bp), jnp.int32, tok_shard),
+                np.zeros((self.num_ranks, b), np.int32), np.zeros((self.num_ranks, b), np.int32)))
+                for bp in batches for b in batches]
+            run(feed_items)
+        bar.close()
+        n = len(steps) + len(sample_items) + len(feed_items)
+        self.precompiled = True
+        return {"programs": n, "seconds": time.perf_counter() - t0}
 
     # ----- host-side batching ---------------------------------------------
     def _by_rank(self, seqs: list[Sequence]) -> tuple[list[list[Sequence]], int]:
@@ -289,31 +398,49 @@ class ModelRunner:
             a, n = s.num_cached_tokens, s.num_new_tokens
             if n < 1 or a + n > len(s):
                 raise RuntimeError(f"bad prefill chunk [{a}, {a + n}) of a {len(s)}-token sequence")
-        ranks, per_rank = self._by_rank(seqs)
-        B = next_pow2(per_rank)
-        samp = self._sampling_arrays(ranks, B)
-        if any(s.num_cached_tokens for s in seqs):
-            self.cache, sampled, counts, dispatched = self._prefill_paged(self.params, self.routing, self.cache,
-                                                                          *self._paged_arrays(ranks, B, seqs), samp,
-                                                                          mode=SampleMode.of(s.params for s in seqs))
+        paged = any(s.num_cached_tokens for s in seqs)
+        if paged:
+            groups = self.buckets.split_paged([(s.dp_rank, s.num_new_tokens) for s in seqs])
         else:
-            self.cache, sampled, counts, dispatched = self._prefill(self.params, self.routing, self.cache,
-                                                                    *self._packed_arrays(ranks, B), samp,
-                                                                    mode=SampleMode.of(s.params for s in seqs))
-        self._record(counts, dispatched)
-        where = {s.seq_id: (r, i) for r, rs in enumerate(ranks) for i, s in enumerate(rs)}
-        out = self._gather(where, sampled, seqs)
+            groups = self.buckets.split_packed([s.dp_rank for s in seqs])
+        got = {}
+        for group in groups:
+            part = [seqs[i] for i in group]
+            out = self._prefill_group(part, paged)
+            for j, s in enumerate(part):
+                got[s.seq_id] = (out.tokens[j], out.logprobs[j], out.top_logprobs[j])
+        out = StepOutput(np.array([got[s.seq_id][0] for s in seqs], np.int64),
+                         np.array([got[s.seq_id][1] for s in seqs], np.float64), [got[s.seq_id][2] for s in seqs])
         for s in seqs:
             s.num_cached_tokens += s.num_new_tokens
             s.num_new_tokens = 0
         return out
 
-    def _packed_arrays(self, ranks: list[list[Sequence]], B: int):
+    def _prefill_group(self, seqs: list[Sequence], paged: bool) -> StepOutput:
+        """One prefill program over ``seqs`` (they fit one bucket: buckets.split_*), then the sampler."""
+        ranks, per_rank = self._by_rank(seqs)
+        if paged:
+            S = self.buckets.paged_len(max(s.num_new_tokens for s in seqs))
+            B = self.buckets.paged(per_rank, S)
+            args = self._paged_arrays(ranks, B, S)
+            positions = args[3]  # each chunk's context length: its sampled token's position
+            self.cache, logits, counts, dispatched = self._prefill_paged(self.params, self.routing, self.cache, *args)
+        else:
+            T, B = self.buckets.packed(max(sum(s.num_new_tokens for s in rs) for rs in ranks))
+            args = self._packed_arrays(ranks, B, T)
+            positions = np.diff(args[2], axis=1)  # each prompt's length
+            self.cache, logits, counts, dispatched = self._prefill(self.params, self.routing, self.cache, *args)
+        self._record(counts, dispatched)
+        sampled = self._sample(logits, *self._sampling_arrays(ranks, B), positions,
+                               SampleMode.of(s.params for s in seqs))
+        where = {s.seq_id: (r, i) for r, rs in enumerate(ranks) for i, s in enumerate(rs)}
+        return self._gather(where, sampled, seqs)
+
+    def _packed_arrays(self, ranks: list[list[Sequence]], B: int, T: int):
         """Each rank's whole prompts back to back: tokens, positions, slots [N, T] and cu_seqlens
         [N, B + 1] (prompts past the rank's own are empty; tokens past its last prompt are padding,
         written to an out-of-range slot: dropped)."""
         N = self.num_ranks
-        T = packed_bucket(max(sum(s.num_new_tokens for s in rs) for rs in ranks))
         self.last_prefill_tokens = T
         tokens, positions = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
         slots = np.full((N, T), self.num_slots, np.int32)
@@ -330,18 +457,16 @@ class ModelRunner:
             cu[r, len(rs) + 1:] = off
         return tokens, positions, cu, slots
 
-    def _paged_arrays(self, ranks: list[list[Sequence]], B: int, seqs: list[Sequence]):
+    def _paged_arrays(self, ranks: list[list[Sequence]], B: int, S: int):
         """Chunks after a cached context, padded to [N, B, S]: tokens, positions, chunk and context
-        lengths, slots, block tables."""
+        lengths, slots, block tables (the longest width: the attention walks only the live context)."""
         N = self.num_ranks
-        S = next_pow2(max(s.num_new_tokens for s in seqs), 16)
         self.last_prefill_tokens = B * S
         tokens = np.zeros((N, B, S), np.int32)
         positions = np.zeros((N, B, S), np.int32)
         lens, ctx = np.zeros((N, B), np.int32), np.zeros((N, B), np.int32)
         slots = np.full((N, B, S), self.num_slots, np.int32)  # out of range: dropped
-        nb = min(next_pow2(max(len(s.block_table) for s in seqs)), next_pow2(self.max_blocks_per_seq))
-        tables = np.zeros((N, B, nb), np.int32)
+        tables = np.zeros((N, B, self.buckets.max_width), np.int32)
         for r, rs in enumerate(ranks):
             for i, s in enumerate(rs):
                 a, n = s.num_cached_tokens, s.num_new_tokens
@@ -362,8 +487,8 @@ class ModelRunner:
         at the position after it; positions, slots and block tables are the host's, since each step
         grows a sequence by exactly one token."""
         ranks, per_rank = self._by_rank(seqs)
-        N, B = self.num_ranks, min(next_pow2(per_rank), next_pow2(self.max_num_seqs))
-        nb = min(next_pow2(max(len(s.block_table) for s in seqs)), next_pow2(self.max_blocks_per_seq))
+        N, B = self.num_ranks, self.buckets.decode_batch(per_rank)
+        nb = self.buckets.decode_width(max(len(s.block_table) for s in seqs))
         # Built with whole-array NumPy from one pass of list comprehensions: a Python loop setting
         # each row's fields cost ~6 ms a step at 1024 sequences (issue 18's host profile).
         flat = [s for rs in ranks for s in rs]
@@ -392,13 +517,13 @@ class ModelRunner:
         index = dict(zip([s.seq_id for s in flat], zip(r_of.tolist(), i_of.tolist())))
         if (rows >= 0).any():
             tokens = self._feed(prev.toks, rows, tokens)
-        elif self.mesh is not None:  # committed as the fed tokens are: one trace of the step, not one for each
-            tokens = jax.device_put(tokens, NamedSharding(self.mesh, RANK))
-        self.cache, sampled, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens,
-                                                               positions, slots, tables, lens,
-                                                               self._sampling_arrays(ranks, B),
-                                                               mode=SampleMode.of(s.params for s in seqs))
+        else:  # committed as the fed tokens are: one program for both
+            tokens = jax.device_put(tokens, self._tok_sharding)
+        self.cache, logits, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens,
+                                                              positions, slots, tables, lens)
         self._record(counts, dispatched)
+        sampled = self._sample(logits, *self._sampling_arrays(ranks, B), lens,
+                               SampleMode.of(s.params for s in seqs))
         for s in seqs:
             s.num_pending_tokens += 1
         return DecodeStep(list(seqs), sampled, index)

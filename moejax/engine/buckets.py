@@ -1,0 +1,135 @@
+"""The shapes the engine's compiled steps take: every rule that pads a batch to a bucket, in one place.
+
+The set is finite and known at start-up, so the server compiles all of it before it reports
+healthy (ModelRunner.precompile) and never compiles inside a request. It is kept small, since each
+big program is a whole-model compile:
+
+- decode: the per-rank batch to a power of two (1 ... max_num_seqs); the block-table width to a
+  power of two of the longest context, but only where the decode attention's cost grows with the
+  width (the XLA gather path; the Pallas kernel never visits tiles past a sequence's length, so it
+  takes one width, the longest): at most four widths, the shortest 1/8 of the longest.
+- packed prefill (whole prompts, nothing cached): the stream's tokens to a bucket of ``token_bucket``
+  (powers of two up to 128, then 1.5x and 2x steps: under 50% padding, two programs per doubling);
+  its number of prompts is not a bucket of its own: it is min(T, ``max_prefill_seqs``) rows, which
+  bounds every batch of T tokens (a prompt has a token at least).
+- paged prefill (chunks after a cached prefix or an earlier chunk): the longest chunk to S (a
+  power of two, 16 at least), the number of chunks to B = 1 or ``wide_batch(S)`` (as many chunks as
+  ``max_prefill_tokens`` holds at S, at most ``max_prefill_seqs``); the block-table width is the
+  longest (the kernel walks only the live context).
+- sampling runs in its own small program per (batch rows, SampleMode), apart from the model step.
+
+A batch that fits no bucket (more prompts than ``max_prefill_seqs``, more chunks than B rows) is
+run as several steps by the runner (``split``), never as a new shape.
+"""
+
+from __future__ import annotations
+
+MAX_PREFILL_SEQS = 256  # prompts (or chunks) of one prefill program per rank at most: its logits rows
+MAX_DECODE_WIDTHS = 4  # block-table widths of the decode program where the attention reads the whole table
+
+
+def next_pow2(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def token_bucket(n: int) -> int:
+    """Tokens of a prefill stream of n: a power of two up to 128 (16 at least), then 1.5 x 2^k or 2^(k+1)."""
+    p = next_pow2(n, 16)
+    if p <= 128:
+        return p
+    return p * 3 // 4 if n <= p * 3 // 4 else p
+
+
+def powers_of_two(hi: int, lo: int = 1) -> list[int]:
+    out, v = [], next_pow2(lo)
+    while v <= hi:
+        out.append(v)
+        v *= 2
+    return out
+
+
+class Buckets:
+    def __init__(self, max_num_seqs: int, max_prefill_tokens: int, max_blocks_per_seq: int,
+                 decode_width_scales: bool):
+        """decode_width_scales: whether the decode attention's cost grows with the block-table width
+        (kernel_selection.decode_reads_whole_table): then several widths, else the longest only."""
+        self.max_decode_batch = next_pow2(max_num_seqs)
+        self.max_width = next_pow2(max_blocks_per_seq)
+        self.max_prefill_seqs = min(MAX_PREFILL_SEQS, self.max_decode_batch)
+        self.max_tokens = token_bucket(max_prefill_tokens)
+        self.prefill_tokens = max_prefill_tokens
+        self.decode_widths = ([w for w in powers_of_two(self.max_width)][-MAX_DECODE_WIDTHS:]
+                              if decode_width_scales else [self.max_width])
+
+    # ----- decode
+    def decode_batch(self, n: int) -> int:
+        return min(next_pow2(n), self.max_decode_batch)
+
+    def decode_width(self, blocks: int) -> int:
+        return next(w for w in self.decode_widths if w >= min(blocks, self.max_width))
+
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        return [(b, w) for b in powers_of_two(self.max_decode_batch) for w in self.decode_widths]
+
+    # ----- packed prefill
+    def packed(self, tokens: int) -> tuple[int, int]:
+        """(T, B): stream tokens and prompt rows of a packed prefill whose longest rank has ``tokens``."""
+        T = token_bucket(tokens)
+        return T, min(next_pow2(T), self.max_prefill_seqs)
+
+    def packed_shapes(self) -> list[tuple[int, int]]:
+        sizes = sorted({token_bucket(n) for n in [*powers_of_two(self.max_tokens),
+                                                  *(p * 3 // 4 for p in powers_of_two(self.max_tokens, 256))]
+                        if n <= self.max_tokens} | {self.max_tokens})
+        return [self.packed(t) for t in sizes]
+
+    # ----- paged prefill
+    def paged_len(self, longest_chunk: int) -> int:
+        return next_pow2(longest_chunk, 16)
+
+    def wide_batch(self, S: int) -> int:
+        return max(1, min(self.max_prefill_seqs, next_pow2(self.prefill_tokens) // S))
+
+    def paged(self, chunks: int, S: int) -> int:
+        """B rows for ``chunks`` chunks of at most S tokens (chunks <= wide_batch(S))."""
+        return 1 if chunks == 1 else self.wide_batch(S)
+
+    def paged_shapes(self) -> list[tuple[int, int]]:
+        out = []
+        for S in powers_of_two(next_pow2(self.prefill_tokens, 16), 16):
+            out += sorted({(1, S), (self.wide_batch(S), S)})
+        return out
+
+    def split_paged(self, chunks: list[tuple[int, int]]) -> list[list[int]]:
+        """Indices of (rank, chunk length) pairs grouped so that each group fits one paged shape: longest
+        first; a group's S is its first chunk's, and it closes when a rank's rows (wide_batch(S)) are full."""
+        order = sorted(range(len(chunks)), key=lambda i: -chunks[i][1])
+        groups, cur, per_rank, cap = [], [], {}, 0
+        for i in order:
+            rank, n = chunks[i]
+            if cur and per_rank.get(rank, 0) >= cap:
+                groups.append(cur)
+                cur, per_rank = [], {}
+            if not cur:
+                cap = self.wide_batch(self.paged_len(n))
+            cur.append(i)
+            per_rank[rank] = per_rank.get(rank, 0) + 1
+        return groups + [cur] if cur else groups
+
+    def split_packed(self, ranks: list[int]) -> list[list[int]]:
+        """Indices of prompts (by rank) in groups of at most max_prefill_seqs a rank, in order."""
+        groups, cur, per_rank = [], [], {}
+        for i, rank in enumerate(ranks):
+            if per_rank.get(rank, 0) >= self.max_prefill_seqs:
+                groups.append(cur)
+                cur, per_rank = [], {}
+            cur.append(i)
+            per_rank[rank] = per_rank.get(rank, 0) + 1
+        return groups + [cur] if cur else groups
+
+    # ----- sampling
+    def sample_rows(self) -> list[int]:
+        """Every batch-rows size a step hands to the sampler."""
+        rows = set(powers_of_two(self.max_decode_batch))
+        rows |= {b for _, b in self.packed_shapes()} | {b for b, _ in self.paged_shapes()}
+        return sorted(rows)
