@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax import compilation
 from moejax.config import EngineConfig
 from moejax.engine.llm_engine import LLMEngine
 from moejax.engine.model_runner import ModelRunner
@@ -199,7 +200,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
          kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "w8a16",
          enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
          max_preemptions: int = 16, fuse_shared_experts: str = "auto", async_scheduling: bool = False,
-         scheduling_policy: str = "prefill-first", load_format: str = "auto") -> Model:
+         scheduling_policy: str = "prefill-first", load_format: str = "auto", precompile: bool = False,
+         compilation_cache_dir: str | None = None) -> Model:
     """Loads an HF checkpoint directory of a registered family (DeepSeek-V2/V3, Step3), or one
     written by ``moejax.save``.
 
@@ -230,8 +232,31 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     ``async_scheduling`` builds each decode step while the one before it runs (its tokens read one
     step late; the same tokens as with it off: moejax/engine/llm_engine.py); off by default (measured
     slower on the H200 so far, docs/architecture.md).
+    ``precompile``: compile every program the engine can run for this configuration now (the decode,
+    prefill and sampling buckets: moejax/engine/buckets.py) instead of on first use, so no later call
+    compiles (the server always does). ``compilation_cache_dir``: JAX's persistent compilation cache,
+    on by default (``$MOEJAX_COMPILATION_CACHE_DIR``, else ``~/.cache/moejax/jax``; "off" disables it:
+    moejax/compilation.py), so a second run of the same configuration loads its programs.
     Every argument is checked by ``EngineConfig.create`` (moejax/config.py).
     """
+    if not isinstance(precompile, bool):
+        raise ValueError(f"precompile must be True or False, got {precompile!r}")
+    if compilation_cache_dir is not None and not isinstance(compilation_cache_dir, str):
+        raise ValueError(f"compilation_cache_dir must be a path, 'off' or None, got {compilation_cache_dir!r}")
+    compilation.enable_persistent_cache(compilation_cache_dir)
+    model = _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv_blocks, max_prefill_tokens,
+                  progress, kv_cache_dtype, kernels, weight_dtype, fp8_layers, fp8_variant, enable_prefix_caching,
+                  gpu_memory_utilization, max_preemptions, fuse_shared_experts, async_scheduling, scheduling_policy,
+                  load_format)
+    if precompile:
+        model.engine.precompile(progress)
+    return model
+
+
+def _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv_blocks, max_prefill_tokens,
+          progress, kv_cache_dtype, kernels, weight_dtype, fp8_layers, fp8_variant, enable_prefix_caching,
+          gpu_memory_utilization, max_preemptions, fuse_shared_experts, async_scheduling, scheduling_policy,
+          load_format) -> Model:
     _check_load_format(load_format)
     if load_format == "dummy":
         hf_config = _dummy_config(path)

@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "waits and fits: throughput), interleave:N (at most N prefill steps in a row, then a "
                          "decode step), token-budget:T (at most T prompt tokens between two decode steps); "
                          "docs/serving.md")
+    ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile every program the engine can run (decode, prefill and sampling buckets) before "
+                         "/health answers 200, so no request compiles anything (default on)")
+    ap.add_argument("--compilation-cache-dir", default=None,
+                    help="JAX's persistent compilation cache, so a restart loads its programs (default: "
+                         "$MOEJAX_COMPILATION_CACHE_DIR, else ~/.cache/moejax/jax; 'off' disables it)")
     ap.add_argument("--shutdown-timeout", type=float, default=20.0,
                     help="seconds SIGTERM/SIGINT lets requests in flight finish before aborting them (exit 0); "
                          "the default (lifecycle.DEFAULT_SHUTDOWN_TIMEOUT_S) exits within 25 s, inside "
@@ -141,7 +147,7 @@ def build_load_kwargs(a: argparse.Namespace) -> dict:
                 fp8_layers=a.fp8_layers, fp8_variant=a.fp8_variant, enable_prefix_caching=a.enable_prefix_caching,
                 gpu_memory_utilization=a.gpu_memory_utilization, max_preemptions=a.max_preemptions,
                 async_scheduling=a.async_scheduling, scheduling_policy=a.scheduling_policy,
-                load_format=a.load_format)
+                load_format=a.load_format, compilation_cache_dir=a.compilation_cache_dir)
 
 
 def main(argv=None) -> int:
@@ -176,13 +182,13 @@ def main(argv=None) -> int:
         return serve_worker(a, path, name or a.model or path, kw)
     multi = processes.initialize_from_env()
     if multi and not processes.is_leader():
-        return follow_leader(path, kw)
+        return follow_leader(path, kw, a.precompile)
     model = moejax.load(path, **kw)
     engine = LeaderEngine(model.engine, StepChannel()) if multi else None
     origins = tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip())
     policy = AccessPolicy(api_key=a.api_key or None, allowed_origins=origins, bind_host=a.host)
     app, aengine = make_app(model, name or a.model, extra_names=(a.model,) if a.model else (), policy=policy,
-                            max_body_bytes=int(a.max_request_mb * (1 << 20)), engine=engine)
+                            max_body_bytes=int(a.max_request_mb * (1 << 20)), engine=engine, precompile=a.precompile)
     if multi:
         peer_watch.watch(aengine.fail, a.peer_timeout)
     print(f"Serving {name or a.model} on http://{a.host}:{a.port}  (max_model_len={model.max_model_len}, "
@@ -215,7 +221,7 @@ def serve_worker(a: argparse.Namespace, path: str, name: str, kw: dict) -> int:
                          "several processes (moejax.launch --nproc > 1) are not supported yet")
     model = moejax.load(path, **kw)
     xfer = KVTransfer(host=a.host)
-    app, _ = make_app(model, name, policy=AccessPolicy(bind_host=a.host))
+    app, _ = make_app(model, name, policy=AccessPolicy(bind_host=a.host), precompile=a.precompile)
     add_worker_routes(app, WorkerConfig(a.role, a.kv_pull_timeout, a.inject_kv_transfer_failures), xfer,
                       model.max_model_len, model.config.model.vocab_size)
     print(f"{a.role} worker on http://{a.host}:{a.port}, KV transfer server {xfer.address}", flush=True)
@@ -233,11 +239,13 @@ def worker_argv(a: argparse.Namespace, role: str, port: int) -> list[str]:
             "--max-preemptions", str(a.max_preemptions), "--max-prefill-tokens", str(a.max_prefill_tokens),
             "--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching",
             "--async-scheduling" if a.async_scheduling else "--no-async-scheduling",
+            "--precompile" if a.precompile else "--no-precompile",
             "--scheduling-policy", a.scheduling_policy,
             "--load-format", a.load_format,
             "--kv-pull-timeout", str(a.kv_pull_timeout), "--shutdown-timeout", str(a.shutdown_timeout)]
     for flag, v in (("--model", a.model), ("--served-model-name", a.served_model_name), ("--parallel", parallel),
-                    ("--max-model-len", a.max_model_len), ("--num-kv-blocks", a.num_kv_blocks)):
+                    ("--max-model-len", a.max_model_len), ("--num-kv-blocks", a.num_kv_blocks),
+                    ("--compilation-cache-dir", a.compilation_cache_dir)):
         if v is not None:
             argv += [flag, str(v)]
     if role == "decode" and a.inject_kv_transfer_failures:
@@ -347,7 +355,7 @@ def serve_disaggregated(a: argparse.Namespace, path: str, name: str) -> int:
         stop_workers(prefill + decode)
 
 
-def follow_leader(path: str, kw: dict) -> int:
+def follow_leader(path: str, kw: dict, precompile: bool = True) -> int:
     """A process other than 0: loads its shards, then steps whatever process 0's engine steps."""
     import moejax
     from moejax.engine.replicated import follow
@@ -355,6 +363,8 @@ def follow_leader(path: str, kw: dict) -> int:
     from moejax.parallel.step_channel import StepChannel
     stop = peer_watch.start_beating()
     model = moejax.load(path, **kw)
+    if precompile:  # the same programs as process 0's, compiled here (no collective: each its own)
+        model.engine.precompile(progress=False)
     follow(model.engine, StepChannel())
     stop.set()
     return 0

@@ -90,6 +90,10 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
+    def precompile(self, progress: bool = True) -> dict:
+        """Compiles every program the engine can run for its configuration (ModelRunner.precompile)."""
+        return self.runner.precompile(progress)
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id=None) -> Sequence:
         n = len(prompt_ids)
         if n == 0:

@@ -103,6 +103,10 @@ async def _parse(request: web.Request, chat: bool) -> protocol.ParsedRequest:
     state = request.app[STATE_KEY]
     if state.draining:
         raise APIError("the server is shutting down", 503, type_="internal_server_error")
+    aengine = request.app[ENGINE_KEY]
+    if aengine.is_alive and not aengine.ready.is_set():
+        raise APIError("the server is starting (compiling its programs); retry when /health answers 200", 503,
+                       type_="internal_server_error")
     raw = await request.read()
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(state.pool, protocol.parse_request, raw, request.app[CTX_KEY], chat)
@@ -234,6 +238,9 @@ async def health(request: web.Request):
     if request.app[STATE_KEY].draining:
         return web.json_response(protocol.error_body("the server is shutting down", "internal_server_error", None,
                                                      503), status=503)
+    if aengine.is_alive and not aengine.ready.is_set():
+        return web.json_response(protocol.error_body("starting: compiling the engine's programs",
+                                                     "internal_server_error", None, 503), status=503)
     if aengine.is_alive:
         return web.Response(status=200)
     return web.json_response(protocol.error_body(f"the engine is dead: {aengine.error}", "internal_server_error",
@@ -274,12 +281,14 @@ def build_app(aengine: AsyncEngine, ctx: protocol.ServingContext, policy: Access
 
 
 def make_app(model, model_name: str | None = None, extra_names=(), policy: AccessPolicy | None = None,
-             max_body_bytes: int = MAX_BODY_BYTES, engine=None) -> tuple[web.Application, AsyncEngine]:
+             max_body_bytes: int = MAX_BODY_BYTES, engine=None,
+             precompile: bool = False) -> tuple[web.Application, AsyncEngine]:
     """The app and its (started) AsyncEngine for a loaded moejax Model, driving ``engine`` (default:
-    the model's; a multi-process server's process 0 passes its LeaderEngine)."""
+    the model's; a multi-process server's process 0 passes its LeaderEngine). ``precompile``: the engine
+    compiles every program before it serves (/health 503 "starting" until then)."""
     name = model_name or model.source_dir
     names = tuple(dict.fromkeys([name, *extra_names, model.source_dir]))
-    aengine = AsyncEngine(engine if engine is not None else model.engine, name).start()
+    aengine = AsyncEngine(engine if engine is not None else model.engine, name, precompile=precompile).start()
     ctx = protocol.ServingContext(names, model.tokenizer, model.max_model_len, model.config.model.vocab_size)
     app = build_app(aengine, ctx, policy, max_body_bytes)
 

@@ -114,9 +114,17 @@ def _deliver(items: list[tuple[RequestStream, TokenEvent]]) -> None:
 
 
 class AsyncEngine:
-    def __init__(self, engine, model_name: str = "moejax", metrics: Metrics | None = None):
+    def __init__(self, engine, model_name: str = "moejax", metrics: Metrics | None = None, precompile: bool = False):
+        """precompile: the engine thread compiles every program first (ModelRunner.precompile); until it
+        is done ``ready`` is unset (/health 503 "starting", requests 503)."""
         self.engine = engine
         self.metrics = metrics or Metrics(model_name)
+        self.precompile = precompile
+        self.ready = threading.Event()
+        self.startup: dict | None = None  # precompile's {"programs", "seconds"}
+        if not precompile:  # ready at once (no window where a started engine answers "starting")
+            self.metrics.on_ready(None)
+            self.ready.set()
         self.step_log = StepLog()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}  # seq_id -> stream (engine thread only)
@@ -235,8 +243,18 @@ class AsyncEngine:
             stream = self._parked.pop(0)
             self._handle("add", stream)  # accepted already: resolving again does nothing
 
+    def _start_up(self) -> None:
+        """Compiles every program before the first request (engine thread: JAX is driven from here only)."""
+        if self.precompile:
+            self.startup = self.engine.precompile()
+            print(f"Compiled {self.startup['programs']} programs in {self.startup['seconds']:.1f} s; ready.",
+                  flush=True)
+            self.metrics.on_ready(self.startup)
+            self.ready.set()
+
     def _run(self) -> None:
         try:
+            self._start_up()
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
                 self._admit_parked()

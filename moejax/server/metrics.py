@@ -16,6 +16,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from moejax import compilation
+
 prometheus_client.disable_created_metrics()  # no *_created samples (vLLM's exposition has none either)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -77,6 +79,17 @@ class _EngineCollector:
                         "decode_tokens_total / decode_time_seconds_total (decode-only throughput).",
                         stat("decode_throughput", 0.0))
             yield counter("moejax:mixed_steps", "Steps that mixed prefill and decode (always 0).", m.steps_mixed)
+            built, hits = compilation.COUNTER.snapshot()
+            yield counter("moejax:xla_programs_built", "XLA programs built in this process (compiled, or loaded "
+                          "from the persistent compilation cache).", built)
+            yield counter("moejax:compilation_cache_hits", "XLA programs loaded from the persistent compilation "
+                          "cache.", hits)
+            yield counter("moejax:compiles_after_startup", "XLA programs built after the server reported ready "
+                          "(0 in steady serving: every program is compiled at start-up).",
+                          built - m.built_at_ready if m.built_at_ready is not None else 0)
+            yield gauge("moejax:startup_compile_seconds", "Seconds the start-up compilation took.",
+                        m.startup_seconds)
+            yield gauge("moejax:startup_programs", "Programs compiled (or loaded) at start-up.", m.startup_programs)
             yield gauge("moejax:engine_alive", "1 while the engine thread runs, 0 once it died.", m.engine_alive)
             bal = GaugeMetricFamily(
                 "moejax:eplb_balancedness",
@@ -95,6 +108,8 @@ class Metrics:
 
     def __init__(self, model_name: str):
         self.lock = threading.Lock()
+        self.built_at_ready: int | None = None  # programs built when the engine became ready
+        self.startup_seconds, self.startup_programs = 0.0, 0
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         lab, reg = ["model_name"], self.registry
@@ -172,6 +187,17 @@ class Metrics:
 
     def on_kv_transfer_failed(self) -> None:
         self.kv_transfer_failures.inc()
+
+    def on_ready(self, startup: dict | None) -> None:
+        """The engine finished its start-up compilation: later builds count as compiles after start-up."""
+        with self.lock:
+            self.built_at_ready = compilation.COUNTER.snapshot()[0]
+            self.startup_seconds = (startup or {}).get("seconds", 0.0)
+            self.startup_programs = (startup or {}).get("programs", 0)
+
+    def compiles_after_startup(self) -> int:
+        with self.lock:
+            return compilation.COUNTER.snapshot()[0] - self.built_at_ready if self.built_at_ready is not None else 0
 
     def snapshot(self, engine, mixed_steps: int) -> None:
         with self.lock:

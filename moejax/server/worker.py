@@ -95,6 +95,8 @@ def add_worker_routes(app: web.Application, cfg: WorkerConfig, xfer: KVTransfer,
     inject = {"left": cfg.inject_transfer_failures}
 
     async def info(request):
+        if not request.app[ENGINE_KEY].ready.is_set():  # the router waits for this answer: not before the compiles
+            return web.json_response({"error": "starting"}, status=503)
         blocks = request.app[ENGINE_KEY].engine.blocks
         return web.json_response({"role": cfg.role, "max_model_len": max_model_len, "vocab_size": vocab_size,
                                   "transfer_address": xfer.address,
