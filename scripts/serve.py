@@ -152,6 +152,12 @@ def build_load_kwargs(a: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    import logging
+    handler = logging.StreamHandler()  # moejax's own lines (one per program compiled at start-up), not aiohttp's
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    logging.getLogger("moejax").addHandler(handler)
+    logging.getLogger("moejax").setLevel(logging.INFO)
+    logging.getLogger("moejax").propagate = False
 
     import asyncio
 

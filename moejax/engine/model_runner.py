@@ -95,13 +95,14 @@ class DecodeStep:
     """A dispatched decode step: its outputs stay on the device until ``read``."""
     seqs: list[Sequence]
     # sample()'s outputs on the device: tokens [N, B] (row i of rank r: the i-th of that rank's
-    # sequences), their logprobs [N, B], the top logprobs and their token ids [N, B, K]
+    # sequences), their logprobs [N, B], the top logprobs and their token ids [N, B, K], and the
+    # tokens padded to the largest decode batch [N, max B] (what the next step's feed reads)
     sampled: tuple
     index: dict[int, tuple[int, int]]  # seq_id -> (rank, row)
 
     @property
     def toks(self) -> jax.Array:
-        return self.sampled[0]
+        return self.sampled[4]
 
 
 def _feed(prev, rows, host):
@@ -242,10 +243,15 @@ class ModelRunner:
         """The sampler over a step's logits [N, B, V] (each rank its own rows), one compiled variant per
         SampleMode (static ``mode``, the last argument: layers/sampler.py says why it is not decided on the
         device)."""
+        pad = self.buckets.max_decode_batch
+
         def per_rank(logits, temp, top_p, top_k, seeds, positions, mode):
             self.trace_counts["sample"] += 1
             out = sample(logits[0], temp[0], top_p[0], top_k[0], seeds[0], positions[0], mode=mode)
-            return jax.tree.map(lambda a: a[None], out)
+            # The tokens again, padded to the largest decode batch: the next decode step's input gather
+            # (feed) then takes one shape whatever the batch it came from.
+            fed = jnp.zeros((pad,), jnp.int32).at[:out[0].shape[0]].set(out[0])
+            return jax.tree.map(lambda a: a[None], (*out, fed))
 
         if self.mesh is None:
             fn = per_rank
@@ -295,7 +301,7 @@ class ModelRunner:
         modes = [SampleMode(r, t) for r in (False, True) for t in (False, True)]
         n_sample = len({b for _, b, _ in steps}) * len(modes)
         n_feed = len(self.buckets.decode_shapes()) // len(self.buckets.decode_widths)
-        total = len(steps) + n_sample + n_feed ** 2
+        total = len(steps) + n_sample + n_feed
         bar = tqdm(total=total, desc="Compiling programs", unit="prog", disable=not progress)
         done = [0]
 
@@ -327,12 +333,12 @@ class ModelRunner:
             sample_items = [(f"sample rows={sds.shape[1]} {m}", functools.partial(
                 self._sample.lower, sds, *samp(sds.shape[1]), m)) for sds in logits.values() for m in modes]
             sampled = run(sample_items)
-            tok_shard = next(c.output_shardings[0] for (label, _), c in zip(sample_items, sampled))
+            tok_shard = sampled[0].output_shardings[4]
             batches = [b for b, _ in self.buckets.decode_shapes()[::len(self.buckets.decode_widths)]]
-            feed_items = [(f"feed {bp}->{b}", functools.partial(
-                self._feed.lower, self._abstract((self.num_ranks, bp), jnp.int32, tok_shard),
-                np.zeros((self.num_ranks, b), np.int32), np.zeros((self.num_ranks, b), np.int32)))
-                for bp in batches for b in batches]
+            prev = self._abstract((self.num_ranks, self.buckets.max_decode_batch), jnp.int32, tok_shard)
+            feed_items = [(f"feed B={b}", functools.partial(
+                self._feed.lower, prev, np.zeros((self.num_ranks, b), np.int32), np.zeros((self.num_ranks, b), np.int32)))
+                for b in batches]
             run(feed_items)
         bar.close()
         n = len(steps) + len(sample_items) + len(feed_items)
@@ -371,7 +377,7 @@ class ModelRunner:
         """The step's samples of ``seqs`` (at ``where[seq_id]`` = (rank, row)) on the host, in one
         device-to-host copy; the top logprobs are copied only when one of them asks for some
         (N x B x 20 values a step otherwise)."""
-        toks, lps, top_lps, top_ids = sampled
+        toks, lps, top_lps, top_ids = sampled[:4]
         if any(s.params.top_logprobs for s in seqs):
             toks, lps, top_lps, top_ids = to_host((toks, lps, top_lps, top_ids))
         else:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 30 on one GPU: the seed workload (input 2000, output 100, --ignore-eos) through scripts/serve.py
+# (DeepSeek-V2-Lite, 27 layers, RANDOM weights made on the device: --load-format dummy) and bench_serve.py.
+# Usage: serve_gpu.sh PHASE WEIGHTS CONCURRENCIES...   PHASE: cold (empty compilation cache) | warm
+set -u
+PHASE=$1; W=$2; shift 2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+export PYTHONPATH=/tmp/site:$PWD MOEJAX_PALLAS_INTERPRET=0 PYTHONUNBUFFERED=1
+CC=/tmp/moejax-cc-$W
+[ "$PHASE" = cold ] && rm -rf $CC
+MAXSEQ=1024
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu_$PHASE.txt
+T0=$(date +%s.%N)
+python3 scripts/serve.py --model deepseek-v2-lite --load-format dummy --weight-dtype $W --max-num-seqs $MAXSEQ \
+  --max-model-len 2176 --async-scheduling --compilation-cache-dir $CC --port 8000 \
+  > $OUT/server_${PHASE}_$W.log 2>&1 &
+SRV=$!
+until curl -sf localhost:8000/health >/dev/null; do
+  sleep 1; kill -0 $SRV 2>/dev/null || { echo "server died"; tail -30 $OUT/server_${PHASE}_$W.log; exit 1; }
+done
+T1=$(date +%s.%N)
+echo "$PHASE start-up to /health 200: $(echo "$T1 - $T0" | bc) s" | tee -a $OUT/startup_$W.txt
+curl -s localhost:8000/metrics | grep -E "^moejax:(startup|xla_programs|compilation_cache|compiles_after)" | tee -a $OUT/startup_$W.txt
+for c in "$@"; do
+  for rep in 1 2; do
+    tag=${PHASE}_${W}_c${c}_r$rep
+    timeout 300 python3 scripts/bench_serve.py --port 8000 --dataset-name random --random-input-len 2000 \
+      --random-output-len 100 --ignore-eos --num-prompts $c --max-concurrency $c --seed $rep$c \
+      --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --disable-tqdm \
+      --save-result --result-dir $OUT --result-filename bench_$tag.json > $OUT/bench_$tag.txt 2>&1
+    grep -E "Benchmark duration|Output token throughput|decode-only|Median TPOT|Median ITL|P90 ITL" $OUT/bench_$tag.txt | sed "s/^/$tag /"
+    curl -s localhost:8000/metrics | grep -E "^moejax:(compiles_after|prefill_time|decode_time|prefill_tokens|decode_tokens)" | sed "s/^/$tag /" | tee $OUT/metrics_$tag.txt
+    [ "$PHASE" = warm ] && break
+  done
+done
+kill -TERM $SRV; T2=$(date +%s.%N); wait $SRV; echo "exit after SIGTERM: $(echo "$(date +%s.%N) - $T2" | bc) s"
+grep -E "Compiled|compiled .* in" $OUT/server_${PHASE}_$W.log | tail -3
