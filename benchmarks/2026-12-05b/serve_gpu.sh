@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD MOEJAX_PALLAS_INTERPRET=0 PYTHONUNBUFFERED=1
 CC=/tmp/moejax-cc-$W
 [ "$PHASE" = cold ] && rm -rf $CC
-MAXSEQ=1024
+MAXSEQ=${MAXSEQ:-1024}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu_$PHASE.txt
 T0=$(date +%s.%N)
 python3 scripts/serve.py --model deepseek-v2-lite --load-format dummy --weight-dtype $W --max-num-seqs $MAXSEQ \
