@@ -451,8 +451,11 @@ def prefill_segment(batch: int, heads: int, max_len: int, block_size: int) -> in
     """Keys per segment of chunked prefill over the paged cache (layers/prefill_attention.py):
     one segment's gathered rows are expanded to [batch, segment, heads, k + v]; 4096 tokens is
     256 MB per sequence for DeepSeek-V3 (128 heads x 256 bf16 values) and one segment holds most
-    contexts whole."""
+    contexts whole. Wide batches take shorter segments, so the expanded keys stay within about eight
+    such sequences (2 GB at 128 heads): a chunk batch of 256 with 4096-token segments asked XLA for
+    8 GB (out of memory beside the KV cache on an H100)."""
     seg = max(block_size, (4096 * 128) // max(heads, 1))
+    seg = min(seg, (8 * 4096 * 128) // max(heads * batch, 1))
     seg = min(seg, -(-max_len // block_size) * block_size)
     return max(block_size, seg // block_size * block_size)
 
