@@ -8,7 +8,8 @@ import numpy as np
 
 import moejax
 
-m = moejax.load("deepseek-v2-lite", load_format="dummy", max_num_seqs=64, max_model_len=2176, precompile=True,
+m = moejax.load("deepseek-v2-lite", load_format="dummy", max_num_seqs=4, max_model_len=2176, max_prefill_tokens=2048,
+                precompile=True,
                 progress=False)
 rng = np.random.default_rng(0)
 fresh, hit = [], []
