@@ -19,7 +19,7 @@ until curl -sf localhost:8000/health >/dev/null; do
   sleep 1; kill -0 $SRV 2>/dev/null || { echo "server died"; tail -30 $OUT/server_${PHASE}_$W.log; exit 1; }
 done
 T1=$(date +%s.%N)
-echo "$PHASE start-up to /health 200: $(echo "$T1 - $T0" | bc) s" | tee -a $OUT/startup_$W.txt
+echo "$PHASE start-up to /health 200: $(python3 -c "print(round($T1 - $T0, 1))") s" | tee -a $OUT/startup_$W.txt
 curl -s localhost:8000/metrics | grep -E "^moejax:(startup|xla_programs|compilation_cache|compiles_after)" | tee -a $OUT/startup_$W.txt
 for c in "$@"; do
   for rep in 1 2; do
@@ -33,5 +33,5 @@ for c in "$@"; do
     [ "$PHASE" = warm ] && break
   done
 done
-kill -TERM $SRV; T2=$(date +%s.%N); wait $SRV; echo "exit after SIGTERM: $(echo "$(date +%s.%N) - $T2" | bc) s"
+kill -TERM $SRV; T2=$(date +%s.%N); wait $SRV; echo "exit after SIGTERM: $(python3 -c "print(round($(date +%s.%N) - $T2, 1))") s"
 grep -E "Compiled|compiled .* in" $OUT/server_${PHASE}_$W.log | tail -3
