@@ -122,3 +122,23 @@ def test_restart_with_cache_compiles_nothing(tiny_path, tmp_path):
     first, second = runs
     assert first["built"] > 0 and first["built"] > first["hits"]
     assert second["built"] == second["hits"] > 0, second  # every program came from the cache
+
+
+def test_precompiled_handoff_never_compiles(tiny_path):
+    """The disaggregated handoff (a prefilled sequence's rows exported, then imported into an engine) runs
+    precompiled programs only; here the same engine exports and re-imports them."""
+    from moejax.engine.kv_handoff import add_prefilled, take_prefilled
+    from moejax.engine.sampling_params import SamplingParams
+    m = moejax.load(tiny_path, precompile=True, **LOAD)
+    eng = m.engine
+    built = compilation.COUNTER.snapshot()[0]
+    rng = np.random.default_rng()
+    for n in (5, 37, 80):
+        seq = eng.add_request(rng.integers(2, 300, size=n).tolist(), SamplingParams(max_new_tokens=6, ignore_eos=True))
+        while not seq.output_ids:
+            eng.step()
+        moved = add_prefilled(eng, take_prefilled(eng, seq))
+        while not moved.is_finished:
+            eng.step()
+        assert moved.num_output_tokens == 6
+    assert compilation.COUNTER.snapshot()[0] == built

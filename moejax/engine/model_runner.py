@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from moejax import kernel_selection
 from moejax.config import EngineConfig
-from moejax.engine.buckets import Buckets, next_pow2, token_bucket
+from moejax.engine.buckets import Buckets, next_pow2, powers_of_two, token_bucket
 from moejax.engine.sequence import Sequence
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
 from moejax.layers.sampler import MAX_TOP_LOGPROBS, SampleMode, sample
@@ -165,8 +165,8 @@ class ModelRunner:
 
         # Handoff of a prefilled sequence between engines (kv_handoff.py): not donated on export (the
         # cache lives on), donated on import (updated in place, as by a step).
-        self._export = jax.jit(export)
-        self._import = (jax.jit(import_, donate_argnums=(0,)) if mesh is None else
+        self._export = jax.jit(export, **self._one_device())
+        self._import = (jax.jit(import_, donate_argnums=(0,), **self._one_device()) if mesh is None else
                         jax.jit(import_, donate_argnums=(0,), out_shardings=NamedSharding(mesh, RANK)))
 
     def _vars(self, params, routing):
@@ -291,7 +291,8 @@ class ModelRunner:
 
     def precompile(self, progress: bool = True, threads: int | None = None) -> dict:
         """Compiles every program this configuration can run (buckets.py: the decode, packed-prefill and
-        paged-prefill shapes, the sampler per rows and SampleMode, the decode input gather), so no
+        paged-prefill shapes, the sampler per rows and SampleMode, the decode input gather, the cache-row
+        export/import of disaggregation per rows bucket), so no
         request compiles anything; with JAX's persistent cache (moejax/compilation.py) a restart loads
         them instead. Tracing runs here, XLA's compiles in ``threads`` threads (default: the CPU count,
         at most 8; $MOEJAX_COMPILE_THREADS). Returns {"programs", "seconds"}; logs one line a program."""
@@ -301,7 +302,7 @@ class ModelRunner:
         modes = [SampleMode(r, t) for r in (False, True) for t in (False, True)]
         n_sample = len({b for _, b, _ in steps}) * len(modes)
         n_feed = len(self.buckets.decode_shapes()) // len(self.buckets.decode_widths)
-        total = len(steps) + n_sample + n_feed
+        total = len(steps) + n_sample + n_feed + 2 * len(powers_of_two(next_pow2(self.max_model_len, 16), 16))
         bar = tqdm(total=total, desc="Compiling programs", unit="prog", disable=not progress)
         done = [0]
 
@@ -340,8 +341,18 @@ class ModelRunner:
                 self._feed.lower, prev, np.zeros((self.num_ranks, b), np.int32), np.zeros((self.num_ranks, b), np.int32)))
                 for b in batches]
             run(feed_items)
+            # Moving a sequence's rows between engines (disaggregation): one export and one import a bucket.
+            rows = []
+            for P in powers_of_two(next_pow2(self.max_model_len, 16), 16):
+                slots = np.zeros(P, np.int32)
+                rows.append((f"export_rows P={P}", functools.partial(self._export.lower, self.cache, np.int32(0), slots)))
+                sds = self._abstract((self.cfg.num_hidden_layers, P, self.row_dim), self.cache.dtype,
+                                     NamedSharding(self.mesh, REPLICATED) if self.mesh is not None else None)
+                rows.append((f"import_rows P={P}", functools.partial(self._import.lower, self.cache, np.int32(0), slots,
+                                                                     sds)))
+            run(rows)
         bar.close()
-        n = len(steps) + len(sample_items) + len(feed_items)
+        n = len(steps) + len(sample_items) + len(feed_items) + len(rows)
         self.precompiled = True
         return {"programs": n, "seconds": time.perf_counter() - t0}
 
