@@ -77,7 +77,8 @@ class EngineConfig:
                scheduling_policy: str = _policy.DEFAULT) -> "EngineConfig":
         """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
 
-        ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8), "fp8" also
+        ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8; blocks other than
+        128x128 are re-blocked to 128x128 on load, with a warning giving the measured error), "fp8" also
         quantises a bf16 checkpoint to 128x128 blocks on load, "bf16" dequantises (the model dtype).
         ``fp8_layers``: the layer types that run FP8 when weights are FP8 (moejax/layers/fp8_policy.py;
         "default" or a comma list). ``fp8_variant``: "w8a16" or "w8a8".
@@ -120,8 +121,9 @@ class EngineConfig:
                              f"got {max_model_len!r}")
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
-        # "auto" keeps a checkpoint's FP8 where the kernels take its blocks (128x128), else dequantises.
-        fp8_on = weight_dtype == "fp8" or (weight_dtype == "auto" and model.fp8_block_size == (128, 128))
+        # "auto" keeps any FP8 checkpoint FP8. The kernels take 128x128 blocks only: other blocks are
+        # re-blocked to 128x128 on load, the error measured and reported (moejax/weights/loader.py).
+        fp8_on = weight_dtype == "fp8" or (weight_dtype == "auto" and model.fp8_block_size is not None)
         fp8 = Fp8Policy.create(fp8_layers, (128, 128), fp8_variant)  # checked even when unused
         if not fp8_on:
             fp8 = Fp8Policy(frozenset(), fp8.block, fp8.variant)

@@ -28,6 +28,7 @@ from moejax.tiny.presets import PRESETS
 from moejax.tiny.tokenizer import temp_tokenizer_dir
 from moejax.weights.param_tree import flatten, unflatten
 from moejax.tokenizer import Tokenizer
+from moejax.weights.fp8 import ReblockStats
 from moejax.weights.loader import load_hf_params
 from moejax.weights.orbax_io import restore_params, save_params
 from moejax.weights.random_params import random_device_params
@@ -95,11 +96,16 @@ class ParamPlacer:
 class Model:
     """A loaded model: its EngineConfig, parameters on device, tokenizer, and (lazily) an engine.
     ``params`` are already placed by ``placer`` (``ParamPlacer.tree`` for a whole pytree).
-    ``tokenizer_dir``: where the tokenizer's files are (``save`` copies them; default ``source_dir``)."""
+    ``tokenizer_dir``: where the tokenizer's files are (``save`` copies them; default ``source_dir``).
+    ``fp8_reblock_error``: None, or the error of re-blocking an FP8 checkpoint whose blocks are not
+    128x128 to the kernels' 128x128 on load, against the checkpoint's own weights
+    (moejax/weights/fp8.py ``ReblockStats.summary``: ``rel_frobenius`` and ``rel_max_abs``, maxima
+    over the matrices, the blocks, the matrix count); kept by ``save``/``load``."""
 
     def __init__(self, config: EngineConfig, hf_config: dict, params, tokenizer: Tokenizer, source_dir: str,
-                 placer: ParamPlacer, tokenizer_dir: str | None = None):
+                 placer: ParamPlacer, tokenizer_dir: str | None = None, fp8_reblock_error: dict | None = None):
         self.config, self.hf_config = config, hf_config
+        self.fp8_reblock_error = fp8_reblock_error
         self.tokenizer, self.source_dir = tokenizer, source_dir
         self.tokenizer_dir = source_dir if tokenizer_dir is None else tokenizer_dir
         self.params, self.placements, self.mesh = params, placer.placements, placer.mesh
@@ -283,6 +289,7 @@ def _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv
         return random_weights_model(config, hf_config, source_dir=path, tokenizer_dir=tokenizer_source(path, "dummy"))
     placer = ParamPlacer(config)
     marker = os.path.join(path, MARKER)
+    reblock, reblock_error = ReblockStats(), None
     if os.path.exists(marker):
         saved = load_json_file(marker, "moejax save marker")
         if saved.get("format_version") != FORMAT_VERSION:
@@ -298,10 +305,12 @@ def _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv
             params = jax.tree.map(lambda a, t: a.astype(t.dtype), params,
                                   abstract_params(config.model, dtype, config.fp8))
         params = placer.tree(params)
+        reblock_error = saved.get("fp8_reblock_error")  # what re-blocking cost when it was saved
     else:
         params = load_hf_params(path, config.model, dtype, progress, config.fp8, place=placer,
-                                experts_needed=placer.experts_needed)
-    return Model(config, hf_config, params, Tokenizer(path), path, placer)
+                                experts_needed=placer.experts_needed, reblock=reblock)
+        reblock_error = reblock.summary()
+    return Model(config, hf_config, params, Tokenizer(path), path, placer, fp8_reblock_error=reblock_error)
 
 
 def _logical_params(model: Model):
@@ -333,5 +342,6 @@ def save(model: Model, directory: str) -> None:
                 shutil.copy(src, os.path.join(directory, fn))
         with open(os.path.join(directory, MARKER), "w") as f:
             json.dump({"format_version": FORMAT_VERSION, "dtype": model.dtype,
-                       "fp8_layers": sorted(model.config.fp8.kinds)}, f)
+                       "fp8_layers": sorted(model.config.fp8.kinds),
+                       "fp8_reblock_error": model.fp8_reblock_error}, f)
     processes.barrier("moejax.save")  # no process returns (and may load it) before the files are written

@@ -22,9 +22,9 @@ FP8_BLOCK = (128, 128)
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
-def fp8_quantization_config() -> dict:
+def fp8_quantization_config(block=FP8_BLOCK) -> dict:
     """The config.json entry of a DeepSeek-V3-style FP8 block-scaled checkpoint."""
-    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)}
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
 
 
 def random_params(cfg, seed: int = 0, std: float = 0.02) -> dict:
@@ -110,8 +110,10 @@ def write_checkpoint(directory: str, hf_config: dict, tensors: dict[str, np.ndar
 
 
 def make_random_checkpoint(directory: str, hf_config: dict, seed: int = 0, dtype: str = "float32",
-                           fp8: bool = False, max_shard_bytes: int | None = None, std: float = 0.02) -> str:
-    """A random-weight checkpoint of ``hf_config``'s family, in that family's HF names and layout."""
+                           fp8: bool = False, max_shard_bytes: int | None = None, std: float = 0.02,
+                           fp8_block=FP8_BLOCK) -> str:
+    """A random-weight checkpoint of ``hf_config``'s family, in that family's HF names and layout.
+    ``fp8_block``: the [rows, cols] weight blocks of an ``fp8`` one (DeepSeek-V3's 128x128 by default)."""
     if dtype not in _NP_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_NP_DTYPES)}, got {dtype!r}")
     hf_config = dict(hf_config)
@@ -120,8 +122,8 @@ def make_random_checkpoint(directory: str, hf_config: dict, seed: int = 0, dtype
     np_dtype = _NP_DTYPES[dtype]
     tensors = {k: v.astype(np_dtype) for k, v in hf_tensors_from_params(random_params(cfg, seed, std), family, cfg)}
     if fp8:
-        tensors = quantize_tensors(tensors, family.is_fp8_quantized)
-        hf_config["quantization_config"] = fp8_quantization_config()
+        tensors = quantize_tensors(tensors, family.is_fp8_quantized, tuple(fp8_block))
+        hf_config["quantization_config"] = fp8_quantization_config(fp8_block)
     tensors = family.add_checkpoint_extras(cfg, tensors, seed, np_dtype)
     hf_config["torch_dtype"] = dtype
     write_checkpoint(directory, hf_config, tensors, max_shard_bytes)

@@ -3,8 +3,14 @@
 A quantised ``X.weight`` [out, in] comes with ``X.weight_scale_inv``
 [ceil(out/bo), ceil(in/bi)]: the real weight is ``weight * scale_inv`` per block.
 The loader keeps them FP8 or dequantises them, as the engine's FP8 policy says
-(moejax/layers/fp8_policy.py); these NumPy routines run at load time.
+(moejax/layers/fp8_policy.py); these NumPy routines run at load time. The device format is
+128 x 128 blocks only (the kernels step K in 128-deep scale blocks); a checkpoint with other blocks
+is re-blocked on load (``reblock_fp8``) and its error measured against the checkpoint (``ReblockStats``).
 """
+
+from __future__ import annotations
+
+import dataclasses
 
 import ml_dtypes
 import numpy as np
@@ -34,6 +40,70 @@ def quantize_block_fp8(weight: np.ndarray, block: tuple[int, int] = (128, 128)):
     scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)  # 448 = e4m3 max
     q = (blocks / scale[:, None, :, None]).reshape(nbo * bo, nbi * bi)[:out, :inn]
     return q.astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+
+
+def reblock_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
+                want_block: tuple[int, int] = (128, 128)):
+    """A float8 [out, in] matrix with ``block`` scales -> (float8 weight, float32 scales) in
+    ``want_block`` blocks, and its error against the checkpoint: (||W' - W||_F / ||W||_F,
+    max|W' - W| / max|W|), W the checkpoint's own dequantised matrix and W' the re-blocked one
+    dequantised. Any ``block`` (dividing 128 or not, larger or smaller): W is dequantised with the
+    checkpoint's scales and re-quantised per ``want_block`` block. Bound: each element is rounded once
+    to e4m3 at its new block's scale S = amax/448, so |W' - W| <= half an e4m3 ulp: <= |W|/16 for
+    normal values (3 mantissa bits), <= 2^-10 S for subnormal ones, and <= 16 S = amax/28 in all (the
+    largest binade, [256, 448], has ulp 32). Hence the Frobenius ratio is <= 1/16 (+ the subnormal
+    term, 2^-10/448 of the block max an element) and the max-abs ratio <= 1/28. A checkpoint block
+    that holds its new block's max has the new scale already: its values stay exact."""
+    ref = dequantize_block_fp8(weight, scale_inv, block)
+    q, s = quantize_block_fp8(ref, want_block)
+    diff = dequantize_block_fp8(q, s, want_block) - ref
+    fro = _ratio(float(np.linalg.norm(diff)), float(np.linalg.norm(ref)))
+    mx = _ratio(float(np.abs(diff).max(initial=0.0)), float(np.abs(ref).max(initial=0.0)))
+    return q, s, (fro, mx)
+
+
+@dataclasses.dataclass
+class ReblockStats:
+    """One load's re-blocking error, folded over its matrices: the maxima of each matrix's relative
+    Frobenius error and of its max abs element error relative to its max abs (``reblock_fp8``), with
+    the matrices they came from. ``summary()``: None when nothing was re-blocked."""
+    checkpoint_block: tuple[int, int] | None = None
+    device_block: tuple[int, int] = (128, 128)
+    matrices: int = 0
+    rel_frobenius: float = 0.0
+    rel_max_abs: float = 0.0
+    worst_frobenius: str | None = None
+    worst_max_abs: str | None = None
+
+    def add(self, name: str, block, want_block, err: tuple[float, float]) -> None:
+        self.checkpoint_block, self.device_block = tuple(block), tuple(want_block)
+        self.matrices += 1
+        fro, mx = err
+        if self.worst_frobenius is None or fro > self.rel_frobenius:
+            self.rel_frobenius, self.worst_frobenius = fro, name
+        if self.worst_max_abs is None or mx > self.rel_max_abs:
+            self.rel_max_abs, self.worst_max_abs = mx, name
+
+    def summary(self) -> dict | None:
+        if not self.matrices:
+            return None
+        return {"checkpoint_block": list(self.checkpoint_block), "device_block": list(self.device_block),
+                "matrices": self.matrices, "rel_frobenius": self.rel_frobenius, "rel_max_abs": self.rel_max_abs,
+                "worst_frobenius": self.worst_frobenius, "worst_max_abs": self.worst_max_abs}
+
+    def message(self) -> str:
+        (bo, bi), (do, di) = self.checkpoint_block, self.device_block
+        return (f"FP8 checkpoint with {bo}x{bi} weight blocks: the FP8 kernels take {do}x{di} blocks only, so "
+                f"{self.matrices} FP8 matrices were re-blocked to {do}x{di} on load (dequantised with the "
+                f"checkpoint's scales, re-quantised per {do}x{di} block; still FP8, 1 byte a weight). Error "
+                f"against the checkpoint's own weights, max over matrices: {self.rel_frobenius:.3e} relative "
+                f"(Frobenius, {self.worst_frobenius}), {self.rel_max_abs:.3e} max abs element error / the "
+                f"matrix's max abs ({self.worst_max_abs}). weight_dtype=\"bf16\" loads the checkpoint's "
+                f"weights exactly instead, at 2 bytes a weight.")
 
 
 def e4m3fn_to_e4m3fnuz(weight: np.ndarray, scale: np.ndarray):

@@ -12,6 +12,12 @@ stays FP8 and its ``weight_scale_inv`` goes beside it (``<leaf>_scale_inv``; sta
 to the same 128x128 block format. Where the model declares the model dtype, FP8 tensors
 are dequantised. One matrix at a time: never a whole stacked tensor in float32.
 
+The device format is 128x128 blocks only (the FP8 kernels). A checkpoint with other blocks (32x32,
+or any [rows, cols]) is re-blocked: each kept-FP8 matrix is dequantised with the checkpoint's scales
+and re-quantised per 128x128 block (moejax/weights/fp8.py ``reblock_fp8``). Its error against the
+checkpoint's own weights is measured matrix by matrix (``ReblockStats``) and reported once at the
+end of the load, as a UserWarning and a line on stderr.
+
 Fused leaves (the family's ``fused_parts``: DeepSeek MLA's ``qkv_a_proj``) are the rows of
 several HF tensors, each converted as above and concatenated along ``out`` once all have
 arrived; FP8 scales stack the same way (the model fuses only where the split falls on a block
@@ -24,6 +30,8 @@ routed-expert stack until all its experts have arrived), not the whole model.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Callable
 
 import ml_dtypes
@@ -33,7 +41,7 @@ from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.linear import SCALE_SUFFIX
 from moejax.models.registry import abstract_params, family_of
 from moejax.weights.checked_tensors import CheckedTensors, np_dtype
-from moejax.weights.fp8 import dequantize_block_fp8, quantize_block_fp8
+from moejax.weights.fp8 import ReblockStats, dequantize_block_fp8, quantize_block_fp8, reblock_fp8
 from moejax.weights.param_tree import flatten, is_stacked_expert, unflatten
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -51,15 +59,23 @@ def _matrix(name: str, arr, scale, block) -> np.ndarray:
         raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
 
 
-def _fp8_matrix(name: str, arr, scale, block, want_block) -> tuple[np.ndarray, np.ndarray]:
+def _fp8_matrix(name: str, arr, scale, block, want_block, stats: ReblockStats) -> tuple[np.ndarray, np.ndarray]:
     """One [out, in] matrix as (float8 weight, float32 block scales) in ``want_block`` blocks:
-    kept as it is when the checkpoint has it so, else (re)quantised."""
+    kept as it is when the checkpoint has it so, re-blocked (its error added to ``stats``) when the
+    checkpoint has other blocks, quantised when it is not FP8."""
     if scale is not None and tuple(block) == tuple(want_block) and arr.ndim == 2:
         expect = (-(-arr.shape[0] // block[0]), -(-arr.shape[1] // block[1]))
         if tuple(scale.shape) != expect:
             raise ValueError(f"checkpoint tensor {name + SCALE_SUFFIX!r} has shape {tuple(scale.shape)}, "
                              f"expected {expect} for blocks {list(block)}")
         return np.asarray(arr), np.asarray(scale, np.float32)
+    if scale is not None and arr.ndim == 2:
+        try:
+            q, s, err = reblock_fp8(arr, scale, block, want_block)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+        stats.add(name, block, want_block, err)
+        return q, s
     return quantize_block_fp8(_matrix(name, arr, scale, block), want_block)
 
 
@@ -70,15 +86,19 @@ def _check_shape(name: str, arr, want: tuple) -> None:
 
 def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool = True, fp8: Fp8Policy = NO_FP8,
                    place: Callable[[tuple[str, ...], np.ndarray], object] | None = None,
-                   experts_needed: Callable[[tuple[str, ...]], set[int] | None] | None = None):
+                   experts_needed: Callable[[tuple[str, ...]], set[int] | None] | None = None,
+                   reblock: ReblockStats | None = None):
     """The parameter pytree: NumPy arrays, or whatever ``place(path, array)`` returns for each leaf.
     ``experts_needed(experts module path)``: the routed experts to convert (None: all); the rows of the
     others are left unset, for a ``place`` that never reads them (one process of several: its own
-    shards only). Every tensor is still checked for presence and shape."""
+    shards only). Every tensor is still checked for presence and shape. ``reblock``: filled with the
+    re-blocking error of an FP8 checkpoint whose blocks are not the device's (``summary()`` None when
+    nothing was re-blocked); reported either way (a UserWarning and a line on stderr)."""
     family = family_of(cfg)
     expected = flatten(abstract_params(cfg, dtype, fp8))
     tensors = CheckedTensors(directory, cfg)
     block = cfg.fp8_block_size
+    reblock = ReblockStats() if reblock is None else reblock
     place = place or (lambda path, a: a)
     needed = experts_needed or (lambda module: None)
     out: dict[tuple[str, ...], object] = {}
@@ -120,7 +140,7 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
             """HF [out, in] -> ([in, out] in the leaf's dtype, None), or FP8 kept [out, in] with its
             [out/b, in/b] scales."""
             if keep_fp8:
-                return _fp8_matrix(matrix_name, a, s, block, want_block)
+                return _fp8_matrix(matrix_name, a, s, block, want_block, reblock)
             return _matrix(matrix_name, a, s, block).T.astype(dt), None
 
         def in_out(shape):  # (E, in, out) of a stacked expert leaf
@@ -168,7 +188,7 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
             shape = (parts[part][1], want.shape[1]) if parts else want.shape
             if keep_fp8:
                 _check_shape(name, arr, shape)
-                w, s = _fp8_matrix(name, arr, scale, block, want_block)
+                w, s = _fp8_matrix(name, arr, scale, block, want_block, reblock)
             else:
                 arr = _matrix(name, arr, scale, block) if scale is not None else arr
                 _check_shape(name, arr, shape)
@@ -198,4 +218,7 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
             raise ValueError(f"checkpoint is missing tensor {family.param_to_hf(parts[i][0], None)!r}")
         if path not in out:
             raise ValueError(f"checkpoint is missing tensor {family.param_to_hf(path, 0 if per_expert else None)!r}")
+    if reblock.matrices:  # once a load, loudly: the weights are not the checkpoint's bit for bit
+        print(f"moejax: {reblock.message()}", file=sys.stderr, flush=True)
+        warnings.warn(reblock.message(), UserWarning, stacklevel=2)
     return unflatten(out)
