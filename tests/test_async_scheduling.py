@@ -213,23 +213,28 @@ def test_async_scheduling_is_checked(tiny_path):
 
 
 def test_decode_step_has_no_device_side_branch(models):
-    """Invariant behind the overlap: the compiled decode step holds no ``conditional`` (XLA:GPU reads its
-    predicate back to the host before launching a branch, so the call would return only once the step
-    had run), whatever the batch samples; what the batch needs is a static mode with a variant each:
-    a greedy batch's variant has no loop either (no random bits: CPU's threefry is a loop)."""
+    """Invariant behind the overlap: the compiled decode step and the sampler holds no ``conditional``
+    (XLA:GPU reads its predicate back to the host before launching a branch, so the call would return
+    only once the step had run), whatever the batch samples; what the batch needs is a static mode with a
+    sampler variant each: a greedy batch's variant has no loop either (no random bits: CPU's threefry is
+    a loop)."""
     import re
 
     from moejax.layers.sampler import SampleMode
     m = models[0]
     runner = m.engine.runner
-    got = {}
-    real = runner._decode
+    got, steps = {}, []
+    real, real_sample = runner._decode, runner._sample
 
-    def capture(*args, **kw):
-        got.setdefault(kw["mode"], args)
-        return real(*args, **kw)
+    def capture(*args):
+        steps.append(args)
+        return real(*args)
 
-    runner._decode = capture
+    def capture_sample(*args):
+        got.setdefault(args[-1], args)  # the mode is the last (static) argument
+        return real_sample(*args)
+
+    runner._decode, runner._sample = capture, capture_sample
     try:
         rng = np.random.default_rng()
         _run(m, _prompts(3, rng), [SamplingParams(max_new_tokens=3, ignore_eos=True),
@@ -237,10 +242,11 @@ def test_decode_step_has_no_device_side_branch(models):
                                    SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=True, top_logprobs=2)])
         _run(m, _prompts(2, rng), [SamplingParams(max_new_tokens=3, ignore_eos=True)] * 2)
     finally:
-        runner._decode = real
-    assert set(got) == {SampleMode(True, True), SampleMode(False, False)}
+        runner._decode, runner._sample = real, real_sample
+    assert {SampleMode(True, True), SampleMode(False, False)} <= set(got)
+    assert not re.search(r"\bconditional\(", real.lower(*steps[-1]).compile().as_text())
     for mode, args in got.items():
-        hlo = real.lower(*args, mode=mode).compile().as_text()
+        hlo = real_sample.lower(*args).compile().as_text()
         assert not re.search(r"\bconditional\(", hlo), mode
         if mode == SampleMode(False, False):
             assert not re.search(r"\bwhile\(", hlo)
