@@ -40,46 +40,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.benchmark.decode_setup import (  # noqa: F401  (also this script's names: tests and callers use them)
+    build_decode_batch, capture_decode_args, fill_without_prefill, step_floor, weight_kw)
 from moejax.benchmark.ep import time_dispatch
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call
-from moejax.engine.sampling_params import SamplingParams
-from moejax.engine.sequence import Status
 from moejax.kernel_selection import kernel_mode
 from moejax.layers.experts import ExpertWeights, grouped_expert_mlp
-from moejax.layers.kv_quant import is_fp8_cache, quantize_rows
 from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention
 from moejax.config import EngineConfig
-from moejax.layers.fp8_policy import NO_FP8
-from moejax.models.registry import abstract_params, family_of, parse_model_config
+from moejax.models.registry import family_of, parse_model_config
 from moejax.parallel.config import ParallelConfig
 from moejax.parallel.sharding import make_mesh
 from moejax.tiny.presets import preset, with_layers
-from moejax.tiny.random_model import random_device_params, random_model
 from moejax.tiny.transformers_checkpoint import hf_classes
-from moejax.weights.param_tree import flatten, is_stacked_expert
-
-
-def step_floor(cfg, batch, ctx, kv_itemsize=2, ranks=1, fp8=NO_FP8):
-    """Bytes and FLOPs of one decode step, from the model's own parameter shapes (any family).
-
-    Bytes: every weight (at these batch sizes every expert is touched) plus the batch's KV
-    cache. FLOPs: 2 per active weight per token (routed experts scaled by top-k / E; the
-    embedding is a lookup) plus attention, 2 x 2 x heads x cache row per cached token.
-    With ``ranks`` > 1 (DP attention + EP experts over a mesh) the bytes are the node's: each
-    rank reads its own copy of the non-expert weights; divide by ranks x one card's rate. Weight
-    bytes are the leaves' own (``fp8``: FP8 layers count 1 byte a weight plus their scales)."""
-    weights = active = 0
-    for path, leaf in flatten(abstract_params(cfg, "bfloat16", fp8)).items():
-        n = int(np.prod(leaf.shape))
-        weights += (n if is_stacked_expert(path) else ranks * n) * np.dtype(leaf.dtype).itemsize
-        if is_stacked_expert(path):
-            active += n * cfg.num_experts_per_tok // cfg.n_routed_experts
-        elif path[0] != "embed_tokens":
-            active += n
-    L = cfg.num_hidden_layers
-    kv = L * batch * ctx * cfg.kv_cache_dim
-    flops = 2 * batch * active + 4 * L * batch * ctx * cfg.num_attention_heads * cfg.kv_cache_dim
-    return weights + kv_itemsize * kv, flops
 
 
 def time_components(cfg, a, ctx, layout: str = "none"):
@@ -154,39 +127,7 @@ def run_peer(hf, a):
     return a.concurrency * a.output_len / max(total - prefill, 1e-9)
 
 
-def fill_without_prefill(eng, seed: int = 0) -> None:
-    """Admits every waiting sequence as if prefilled: its blocks allocated, its prompt positions
-    marked cached, one token appended, and the whole cache written with random rows (values of
-    the scale a normalised latent has). Decode then does exactly the work it does after a real
-    prefill of that length; only the cached values differ."""
-    sch, rng = eng.scheduler, np.random.default_rng(seed)
-    while sch.waiting:
-        seq = sch.waiting.popleft()
-        if not eng.blocks.can_allocate(seq):
-            raise SystemExit("the KV cache cannot hold the batch")
-        eng.blocks.allocate(seq)
-        seq.status = Status.RUNNING
-        seq.num_cached_tokens = len(seq)
-        seq.token_ids.append(int(rng.integers(2, eng.runner.cfg.vocab_size)))
-        sch.running.append(seq)
-    runner = eng.runner
-    kv_dim = runner.cfg.kv_cache_dim
-    fp8 = is_fp8_cache(runner.cache)
-
-    def fill(cache, key):
-        def layer(i, c):
-            v = jax.random.normal(jax.random.fold_in(key, i), (c.shape[0], c.shape[2], kv_dim), jnp.float32)
-            rows = quantize_rows(v, c.shape[-1]) if fp8 else v.astype(c.dtype)
-            return jax.lax.dynamic_update_slice_in_dim(c, rows[:, None], i, axis=1)
-        return jax.lax.fori_loop(0, cache.shape[1], layer, cache)
-
-    sharding = getattr(runner.cache, "sharding", None)
-    runner.cache = jax.jit(fill, donate_argnums=0, out_shardings=sharding)(runner.cache, jax.random.key(seed))
-    runner.cache.block_until_ready()
-
-
 PEER_TIMEOUT_S = int(os.environ.get("MOEJAX_PEER_TIMEOUT", "900"))
-_PARAMS: dict = {}  # weights generated once per process, shared by the runs
 
 
 def peer_in_child(argv) -> tuple[float | None, str | None]:
@@ -210,40 +151,10 @@ def peer_in_child(argv) -> tuple[float | None, str | None]:
             return json.load(f)["peer_tok_per_s"], None
 
 
-def weight_kw(wd: str) -> dict:
-    """A --weight-dtype item as EngineConfig arguments: "bf16", "fp8" (the default FP8 layer policy) or
-    "fp8:<kinds joined by +>", e.g. "fp8:experts+shared_experts" (the others bf16)."""
-    fmt, _, kinds = wd.partition(":")
-    if fmt not in ("bf16", "fp8") or (kinds and fmt != "fp8"):
-        raise SystemExit(f"--weight-dtype: {wd!r} is not bf16, fp8 or fp8:<layer types joined by +>")
-    return dict(weight_dtype=fmt, **({"fp8_layers": kinds.replace("+", ",")} if kinds else {}))
-
-
 def run_one(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=False, device_steps=0):
     """Engine decode step times [s] at the point; with ``device_steps``, also the compiled step's own
     time (device_step_time). Returns (times, memory, device step time or None)."""
-    if weight_dtype not in _PARAMS:
-        _PARAMS.clear()  # one weight format's weights on the device at a time
-        gc.collect()
-        cfg = parse_model_config(hf)
-        fp8 = EngineConfig.create(cfg, **weight_kw(weight_dtype)).fp8
-        _PARAMS[weight_dtype] = random_device_params(cfg, a.dtype, fp8=fp8)
-    ranks = 1 if parallel == "none" else ParallelConfig.load(parallel).num_ranks
-    per_rank = -(-a.concurrency // ranks)  # --concurrency is over the node; sizes below are per rank
-    m = random_model(hf, a.dtype, parallel=None if parallel == "none" else parallel, kernels=kernels,
-                     params=_PARAMS[weight_dtype], **weight_kw(weight_dtype), fp8_variant=a.fp8_variant,
-                     kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype],
-                     max_model_len=a.input_len + a.output_len + 16, max_num_seqs=per_rank,
-                     num_kv_blocks=per_rank * (-(-(a.input_len + a.output_len + 16) // 16)),
-                     async_scheduling=async_scheduling)
-    eng = m.engine
-    rng = np.random.default_rng(0)
-    seqs = [eng.add_request(rng.integers(2, m.config.model.vocab_size, size=a.input_len).tolist(),
-                            SamplingParams(max_new_tokens=a.output_len, ignore_eos=True)) for _ in range(a.concurrency)]
-    if a.fill == "random":
-        fill_without_prefill(eng)
-    while eng.scheduler.waiting or eng.scheduler.prefilling:  # prefill everything (not timed)
-        eng.step()
+    m, eng, seqs = build_decode_batch(hf, parallel, kernels, a, weight_dtype, async_scheduling)
     times = []
     while len(times) < a.warmup + a.steps:
         if any(s.is_finished for s in seqs):
@@ -263,24 +174,6 @@ def run_one(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=Fals
     del m, eng, seqs
     gc.collect()  # the engine's reference cycles hold the KV cache: free it before the next variant fills its own
     return times, memory, device
-
-
-def capture_decode_args(eng):
-    """Runs one more engine step and returns (the jitted decode step, the arguments it was called with,
-    its static keywords: the batch's sampling mode)."""
-    r = eng.runner
-    real, got = r._decode, {}
-
-    def capture(*args, **kw):
-        got["args"], got["kw"] = args, kw
-        return real(*args, **kw)
-
-    r._decode = capture
-    try:
-        eng.step()
-    finally:
-        r._decode = real
-    return real, got["args"], got["kw"]
 
 
 def device_step_time(eng, n: int) -> float:

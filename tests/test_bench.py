@@ -1,4 +1,5 @@
-"""scripts/bench_serve.py metric definitions and scripts/sweep.py end to end on the tiny model (CPU)."""
+"""scripts/bench_serve.py metric definitions, scripts/sweep.py end to end on the tiny model (CPU), bench_decode and
+profile_step."""
 
 import csv
 import json
@@ -202,3 +203,89 @@ def test_host_overhead_of_both_loops(tmp_path):
     for r in res.values():
         assert r["engine_step_s"] > 0 and r["device_step_s"] > 0 and r["steps"] == 3
         assert r["host_overhead"] == pytest.approx((r["engine_step_s"] - r["device_step_s"]) / r["engine_step_s"])
+
+
+def test_profile_step_table_on_tiny_model(tmp_path, capsys):
+    """scripts/profile_step.py (v3-tiny, CPU): the per-op table of the decode step from the profiler's
+    trace has rows in the table's categories whose shares sum to 100%, the category summary adds up to
+    the same, the sampler's ops are told from the step's, and the step's cost analysis is reported."""
+    import profile_step
+    out, table = tmp_path / "prof.json", tmp_path / "prof.csv"
+    res = profile_step.main(["--preset", "v3-tiny", "--concurrency", "8", "--input-len", "64", "--steps", "3",
+                             "--warmup", "2", "--top", "10", "--json", str(out), "--csv", str(table)])
+    printed = capsys.readouterr().out
+    assert "category" in printed and "moe/experts" in printed and "cost analysis" in printed
+    saved = json.loads(out.read_text())
+    assert saved["ops"] == json.loads(json.dumps(res["ops"]))
+    ops, cats = saved["ops"], saved["categories"]
+    assert len(ops) > 20 and all(r["time_s"] > 0 and r["count"] > 0 for r in ops)
+    assert sum(r["share"] for r in ops) == pytest.approx(1.0, abs=1e-6)
+    assert sum(c["share"] for c in cats) == pytest.approx(1.0, abs=1e-6)
+    assert {r["category"] for r in ops} <= set(profile_step.CATEGORIES)
+    assert {"attention", "moe/experts", "dense matmul", "lm_head", "sampling/sort"} <= {c["category"] for c in cats}
+    assert all(r["category"] == "sampling/sort" for r in ops if r["program"] == "sample")
+    assert {r["program"] for r in ops} == {"decode", "sample"}
+    assert 0 < saved["busy_s"] <= saved["op_s"] * 1.001 and saved["step_s"] >= saved["busy_s"] * 0.99
+    assert saved["cost"]["flops"] > 0 and saved["cost"]["bytes"] > 0 and saved["achieved_bytes_per_s"] > 0
+    with open(table) as f:
+        assert len(list(csv.DictReader(f))) == len(ops)
+
+
+def test_profile_step_reads_a_gpu_trace():
+    """profile_step's trace reading on a GPU-shaped trace (no GPU needed): only the stream lines' kernels
+    are summed (not the XLA Ops / XLA Modules lines that repeat them), each kernel goes to the program
+    whose execution span holds it even where two programs have an op of the same name, ops get their
+    category from their HLO metadata, and a dot's FLOPs come from its shapes."""
+    import profile_step
+    decode = profile_step.Program("decode", """HloModule jit_per_rank, entry_computation_layout={(bf16[8,64]{1,0})->bf16[8,64]{1,0}}
+
+%fused_dot (param_0: bf16[8,64], param_1: bf16[64,64]) -> bf16[8,64] {
+  %param_0 = bf16[8,64]{1,0} parameter(0)
+  %param_1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,64]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(per_rank)/DeepseekForCausalLM.decode/layers_0.decode/self_attn.decode/o_proj/dot_general"}
+}
+
+ENTRY %main (p0: bf16[8,64], p1: bf16[64,64]) -> bf16[8,64] {
+  %p0 = bf16[8,64]{1,0} parameter(0), metadata={op_name="args[0]"}
+  %p1 = bf16[64,64]{1,0} parameter(1), metadata={op_name="params['layers_0']['self_attn']['o_proj']['weight']"}
+  %fusion.1 = bf16[8,64]{1,0} fusion(%p0, %p1), kind=kCustom, calls=%fused_dot
+  ROOT %add.3 = bf16[8,64]{1,0} add(%fusion.1, %p0), metadata={op_name="jit(per_rank)/DeepseekForCausalLM.decode/layers_0.decode/add"}
+}
+""")
+    sample = profile_step.Program("sample", """HloModule jit_per_rank
+
+%fused_argmax (param_0: f32[8,320]) -> s32[8] {
+  %param_0 = f32[8,320]{1,0} parameter(0)
+  ROOT %reduce.2 = s32[8]{0} reduce(%param_0), dimensions={1}, metadata={op_name="jit(per_rank)/argmax"}
+}
+
+ENTRY %main.2 (p0: f32[8,320]) -> s32[8] {
+  %p0 = f32[8,320]{1,0} parameter(0)
+  ROOT %fusion.1 = s32[8]{0} fusion(%p0), kind=kInput, calls=%fused_argmax
+}
+""")
+    assert decode.op_flops("fusion.1") == 2 * 8 * 64 * 64 and decode.op_bytes("fusion.1") == (512 + 4096 + 512) * 2
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 701, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    meta += [{"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
+             for t, n in ((1, "Stream #7(Compute)"), (2, "Stream #8(MemcpyH2D)"), (3, "XLA Ops"), (4, "XLA Modules"))]
+    ev = []
+    for step, t0 in enumerate((0.0, 1000.0)):
+        kern = lambda tid, ts, dur, name, op: {"ph": "X", "pid": 1, "tid": tid, "ts": t0 + ts, "dur": dur,  # noqa: E731
+                                               "name": name, "args": {"hlo_op": op, "hlo_module": "jit_per_rank"}}
+        ev += [{"ph": "X", "pid": 701, "tid": 9, "ts": t0, "dur": 200.0, "name": "profile_step", "args": {"step": str(step)}},
+               {"ph": "X", "pid": 1, "tid": 4, "ts": t0 + 5, "dur": 100.0, "name": "jit_per_rank(1)"},
+               kern(1, 10, 60.0, "gemm_kernel_sm90", "fusion.1"), kern(3, 10, 60.0, "fusion.1", "fusion.1"),
+               kern(1, 80, 4.0, "loop_add_fusion", "add.3"),
+               {"ph": "X", "pid": 1, "tid": 2, "ts": t0 + 108, "dur": 2.0, "name": "MemcpyH2D", "args": {}},
+               {"ph": "X", "pid": 1, "tid": 4, "ts": t0 + 110, "dur": 30.0, "name": "jit_per_rank(2)"},
+               kern(1, 112, 20.0, "input_reduce_fusion", "fusion.1"), kern(3, 112, 20.0, "fusion.1", "fusion.1")]
+    res = profile_step.analyze({"traceEvents": meta + ev}, [decode, sample], steps=2)
+    rows = {(r["program"], r["name"]): r for r in res["ops"]}
+    assert set(rows) == {("decode", "fusion.1"), ("decode", "add.3"), ("sample", "fusion.1"), ("", "MemcpyH2D")}
+    assert [rows[k]["category"] for k in sorted(rows)] == ["copy", "norm/rope/elementwise", "dense matmul",
+                                                    "sampling/sort"]
+    assert rows[("decode", "fusion.1")]["time_s"] == pytest.approx(60e-6) and rows[("decode", "fusion.1")]["count"] == 1
+    assert rows[("decode", "fusion.1")]["flops_per_s"] == pytest.approx(2 * 8 * 64 * 64 / 60e-6)
+    assert res["op_s"] == pytest.approx(86e-6) and res["busy_s"] == pytest.approx(86e-6)
+    assert res["step_s"] == pytest.approx(200e-6) and sum(r["share"] for r in res["ops"]) == pytest.approx(1.0)
