@@ -6,6 +6,8 @@ import copy
 import json
 import os
 import shutil
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ from moejax.eplb.balancer import ExpertLoadBalancer, initial_placements, routing
 from moejax.json_file import load_json_file
 from moejax.kernel_selection import KernelScopedModule
 from moejax.layers.fp8_policy import Fp8Policy
-from moejax.models.registry import abstract_params, build_module, parse_model_config
+from moejax.models.registry import abstract_params, build_module, family_for, parse_model_config
 from moejax.parallel import processes
 from moejax.parallel.sharding import make_mesh, param_logical_axes, put_replicated, spec
 from moejax.tiny.presets import PRESETS
@@ -30,11 +32,14 @@ from moejax.weights.param_tree import flatten, unflatten
 from moejax.tokenizer import Tokenizer
 from moejax.weights.fp8 import ReblockStats
 from moejax.weights.loader import load_hf_params
+from moejax.weights.safetensors_io import list_checkpoint_files
 from moejax.weights.orbax_io import restore_params, save_params
 from moejax.weights.random_params import random_device_params
 
 MARKER = "moejax.json"  # present in directories written by moejax.save
 # The saved pytree's layout. 2: DeepSeek MLA's q_a_proj and kv_a_proj_with_mqa saved as one qkv_a_proj.
+# (A DeepSeek MTP layer adds its leaves under layers_<num_hidden_layers>; the marker's
+# num_nextn_predict_layers says whether they were saved: saves from before MTP was loaded hold none.)
 FORMAT_VERSION = 2
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # auto: the checkpoint's weights; dummy: random weights of its shapes, made on the device (vLLM's --load-format dummy).
@@ -276,6 +281,8 @@ def _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv
         if not os.path.exists(cfg_path):
             raise ValueError(f"{path} has no config.json")
         hf_config = load_json_file(cfg_path, "config.json")
+        if not os.path.exists(os.path.join(path, MARKER)):
+            hf_config = _fit_to_checkpoint(path, hf_config)
     config = EngineConfig.create(parse_model_config(hf_config), dtype=dtype, parallel=parallel,
                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=block_size,
                                  num_kv_blocks=num_kv_blocks, max_prefill_tokens=max_prefill_tokens,
@@ -295,6 +302,11 @@ def _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv
         if saved.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{marker} has format_version {saved.get('format_version')!r}, this moejax reads "
                              f"{FORMAT_VERSION}: save it again from its HF checkpoint")
+        saved_mtp, mtp = saved.get("num_nextn_predict_layers", 0), getattr(config.model, "num_nextn_predict_layers", 0)
+        if saved_mtp != mtp:
+            raise ValueError(f"{path} holds the weights of {saved_mtp} multi-token-prediction layer(s) but its "
+                             f"config.json has num_nextn_predict_layers {mtp} (saved before moejax loaded the MTP "
+                             "layer?): save it again from its HF checkpoint")
         saved_fp8 = Fp8Policy.create(saved.get("fp8_layers", []), (128, 128), config.fp8.variant)
         if saved_fp8.kinds != config.fp8.kinds:
             raise ValueError(f"{path} was saved with FP8 layers {sorted(saved_fp8.kinds)}; load it with the same "
@@ -311,6 +323,26 @@ def _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv
                                 experts_needed=placer.experts_needed, reblock=reblock)
         reblock_error = reblock.summary()
     return Model(config, hf_config, params, Tokenizer(path), path, placer, fp8_reblock_error=reblock_error)
+
+
+def _fit_to_checkpoint(path: str, hf_config):
+    """config.json contents fitted to what the checkpoint holds (the family's ``fit_config``: DeepSeek
+    loads without an MTP layer the checkpoint lacks altogether), saying so on stderr and as a warning."""
+    if not isinstance(hf_config, dict):
+        return hf_config  # parse_model_config refuses it
+    try:
+        family = family_for(hf_config.get("model_type"))
+    except ValueError:
+        return hf_config  # parse_model_config names the model_type
+    try:
+        names = list_checkpoint_files(path)
+    except ValueError:
+        return hf_config  # the loader says what is wrong with the files
+    hf_config, message = family.fit_config(hf_config, names)
+    if message:
+        print(f"moejax: {message}", file=sys.stderr, flush=True)
+        warnings.warn(message, UserWarning, stacklevel=3)
+    return hf_config
 
 
 def _logical_params(model: Model):
@@ -343,5 +375,6 @@ def save(model: Model, directory: str) -> None:
         with open(os.path.join(directory, MARKER), "w") as f:
             json.dump({"format_version": FORMAT_VERSION, "dtype": model.dtype,
                        "fp8_layers": sorted(model.config.fp8.kinds),
+                       "num_nextn_predict_layers": getattr(model.config.model, "num_nextn_predict_layers", 0),
                        "fp8_reblock_error": model.fp8_reblock_error}, f)
     processes.barrier("moejax.save")  # no process returns (and may load it) before the files are written

@@ -20,14 +20,28 @@ from moejax.parallel.sharding import EXPERT, put_replicated
 from moejax.weights.param_tree import flatten, unflatten
 
 
+def module_layer(path: tuple[str, ...]) -> int:
+    """The layer index of an experts module's path (``layers_N/...``)."""
+    return int(path[0].split("_")[1])
+
+
 def expert_modules(cfg) -> list[tuple[str, ...]]:
-    """Pytree paths of every routed-experts module, in layer order (from the model's routing variables)."""
+    """Pytree paths of every routed-experts module, in layer order (from the model's routing variables):
+    the decoder layers', then a DeepSeek MTP layer's (``layers_<num_hidden_layers>``)."""
     paths = [p[:-1] for p in flatten(abstract_variables(cfg, "float32").get("routing", {})) if p[-1] == "expert_slots"]
-    return sorted(paths, key=lambda p: int(p[0].split("_")[1]))
+    return sorted(paths, key=module_layer)
+
+
+def balanced_modules(cfg, modules) -> list[tuple[str, ...]]:
+    """The experts modules EPLB rebalances: the decoder layers', whose load every step counts. A DeepSeek
+    MTP layer's experts keep their initial placement (contiguous, plus the same replicas in the
+    redundant slots): no step runs that layer yet, so there is no load to balance them by."""
+    return [m for m in modules if module_layer(m) < cfg.num_hidden_layers]
 
 
 def initial_placements(cfg, num_ranks: int, num_redundant: int) -> dict[tuple[str, ...], Placement]:
-    """Contiguous experts, then replicas of experts 0, 1, ... in the redundant slots."""
+    """Contiguous experts, then replicas of experts 0, 1, ... in the redundant slots (every MoE layer's,
+    a DeepSeek MTP layer's included)."""
     E = cfg.n_routed_experts
     if (E + num_redundant) % num_ranks:
         raise ValueError(f"n_routed_experts + num_redundant_experts = {E + num_redundant} is not divisible by "
@@ -76,7 +90,7 @@ class ExpertLoadBalancer:
     def __init__(self, config, runner, placements: dict[tuple[str, ...], Placement]):
         pc = config.parallel
         self.runner, self.placements = runner, dict(placements)
-        self.names = list(placements)  # expert-module paths, in layer order
+        self.names = balanced_modules(config.model, placements)  # expert-module paths, in layer order
         self.num_redundant = config.num_redundant_experts
         self.interval = pc.eplb_interval if pc else 0
         self.routing_width = 1 + self.num_redundant

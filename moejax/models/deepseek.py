@@ -10,8 +10,16 @@ except the routed experts: one HF tensor per expert
 ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`` [out, in], stacked as
 ``layers_N/mlp/experts/<proj>`` [E, in, out]. Where MLA merges q_a_proj and
 kv_a_proj_with_mqa (moejax/layers/mla.py), their two HF tensors are the rows of one leaf
-``layers_N/self_attn/qkv_a_proj`` (``fused_parts``). Multi-token-prediction layers (after the
-last decoder layer) are read past: decoding does not use them.
+``layers_N/self_attn/qkv_a_proj`` (``fused_parts``).
+
+Multi-token prediction (DeepSeek-V3/R1, ``num_nextn_predict_layers: 1``): the checkpoint's layer
+``num_hidden_layers`` (61) is the MTP module, ``model.layers.61.{enorm,hnorm,eh_proj,shared_head.*}``
+plus one MoE decoder layer's tensors. The model builds it as its Flax submodule ``mtp``
+(``MTPLayer``) whose parameters sit at ``layers_61``, HF's module path, so the name table, the
+expert-parallel sharding and EPLB treat it as one more decoder layer. Its
+``model.layers.61.embed_tokens.weight`` is not a parameter: the loader checks it equals the main
+embedding, which the MTP forward uses (``shared_tensor``). docs/architecture.md, "Multi-token
+prediction (MTP)".
 """
 
 from __future__ import annotations
@@ -23,11 +31,18 @@ import os
 import re
 from typing import Any
 
+import flax.linen as nn
+import jax.numpy as jnp
+
+from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
+from moejax.layers.linear import Linear
 from moejax.layers.mla import MLA
+from moejax.layers.norm import RMSNorm
 from moejax.layers.rope import RopeConfig, yarn_mscale
 from moejax.models.decoder import CausalLM, PreNormDecoderLayer
 from moejax.models.family import ModelFamily
-from moejax.models.hf_config import bad, eos_ids, fp8_block, refuse_flags, refuse_unknown, require_positive_ints
+from moejax.models.hf_config import (bad, eos_ids, fp8_block, is_int, refuse_flags, refuse_unknown,
+                                     require_positive_ints)
 from moejax.weights.param_tree import TOP_LEVEL, ParamRef, default_hf_name
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -101,6 +116,13 @@ class DeepseekConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
+
+    @property
+    def num_cache_layers(self) -> int:
+        """The KV-cache layers the model's attention indexes: the decoder layers', then the MTP
+        layer's own rows at index num_hidden_layers (its MLA writes and reads cache layer
+        ``self.layer``). The runner allocates num_hidden_layers today (no MTP step yet)."""
+        return self.num_hidden_layers + self.num_nextn_predict_layers
 
     @property
     def softmax_scale(self) -> float:
@@ -205,6 +227,10 @@ def parse_config(d: dict[str, Any]) -> DeepseekConfig:
     first_dense = d.get("first_k_dense_replace") or 0
     if first_dense > d["num_hidden_layers"]:
         raise bad("first_k_dense_replace", first_dense, "exceeds num_hidden_layers")
+    mtp_field = "num_nextn_predict_layers" if d.get("num_nextn_predict_layers") is not None else "num_mtp_layers"
+    mtp = d.get(mtp_field) or 0
+    if not is_int(mtp) or not 0 <= mtp <= 1:
+        raise bad(mtp_field, mtp, "0 or 1 multi-token-prediction layers are supported (DeepSeek-V3 ships 1)")
     return DeepseekConfig(
         model_type=mt, **{f: d[f] for f in _REQUIRED_FIELDS}, rms_norm_eps=float(d["rms_norm_eps"]),
         q_lora_rank=q_lora, n_shared_experts=int(d.get("n_shared_experts") or 0),
@@ -214,7 +240,7 @@ def parse_config(d: dict[str, Any]) -> DeepseekConfig:
         routed_scaling_factor=float(d.get("routed_scaling_factor", scale_default)),
         rope=_parse_rope(d), bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids(d.get("eos_token_id")),
         fp8_block_size=fp8_block(d.get("quantization_config")),
-        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or d.get("num_mtp_layers") or 0),
+        num_nextn_predict_layers=mtp,
     )
 
 
@@ -223,8 +249,89 @@ class DecoderLayer(PreNormDecoderLayer):
     attention = MLA  # the ffn: dense on the first first_k_dense_replace layers, MoE after
 
 
+def require_mtp(cfg: DeepseekConfig) -> None:
+    """Refuses what needs the MTP module (speculative decoding's drafts) on a config without one."""
+    if not getattr(cfg, "num_nextn_predict_layers", 0):
+        raise ValueError(f"this {cfg.model_type} config has num_nextn_predict_layers 0: no multi-token-prediction "
+                         "(MTP) layer to draft with; speculative decoding needs a checkpoint that ships one "
+                         "(DeepSeek-V3/R1: num_nextn_predict_layers 1, the tensors of "
+                         "model.layers.<num_hidden_layers>)")
+
+
+class SharedHead(nn.Module):
+    """The MTP layer's output head: HF's ``shared_head.norm`` and ``shared_head.head`` [vocab, hidden]."""
+    cfg: Any
+    dtype: Any = jnp.float32
+    fp8: Fp8Policy = NO_FP8
+
+    def setup(self):
+        c = self.cfg
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.head = Linear(c.hidden_size, c.vocab_size, self.dtype, self.fp8.scheme("lm_head"))
+
+    def __call__(self, h):
+        return self.head(self.norm(h)).astype(jnp.float32)
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3's multi-token-prediction module (vLLM's DeepSeekMultiTokenPredictorLayer): a decoder
+    layer (MLA + MoE: its index num_hidden_layers is past first_k_dense_replace) whose input is
+    ``eh_proj(concat(enorm(embed(token)), hnorm(previous_hidden)))`` and whose output goes through
+    its own ``shared_head`` (norm, head). ``eh_proj`` [H, 2H] is bf16 in DeepSeek's FP8 checkpoint
+    (vLLM and SGLang build it as a plain nn.Linear): it keeps the model dtype under any FP8 policy;
+    the decoder layer follows the policy like every other layer."""
+
+    def setup_extra(self):
+        c = self.cfg
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.eh_proj = Linear(2 * c.hidden_size, c.hidden_size, self.dtype)
+        self.shared_head = SharedHead(c, self.dtype, self.fp8)
+
+    def project(self, embeds, previous_hidden):
+        """The decoder layer's input: eh_proj(concat(enorm(embeds), hnorm(previous_hidden)))."""
+        e = self.enorm(embeds)
+        return self.eh_proj(jnp.concatenate([e, self.hnorm(previous_hidden).astype(e.dtype)], axis=-1))
+
+
 class DeepseekForCausalLM(CausalLM):
+    """The DeepSeek causal LM, with the MTP module ``mtp`` (parameters ``layers_<num_hidden_layers>``)
+    where the config has one."""
     decoder_layer = DecoderLayer
+
+    def setup(self):
+        super().setup()
+        c = self.cfg
+        if c.num_nextn_predict_layers:
+            L = c.num_hidden_layers
+            self.mtp = MTPLayer(c, L, self.dtype, self.ep, self.fp8, name=f"layers_{L}")
+
+    def mtp_hidden(self, tokens, positions, previous_hidden, seq_lens, cache=None, slots=None, block_tables=None,
+                   ctx_lens=None, block_size: int | None = None, cu_seqlens=None):
+        """The MTP layer's hidden states (before its shared_head norm; what a second draft step would take
+        as ``previous_hidden``) and the cache. Row i pairs the main model's hidden state at position i
+        (``previous_hidden``, before the final norm: what ``prefill``/``decode`` return) with the token
+        that follows it (``tokens``: t_{i+1}) at ``positions`` i, as vLLM and SGLang feed it. Shapes and
+        the prefill forms (dense [B, S], paged chunk, packed) as ``prefill``; with a cache, the MTP
+        layer writes and reads cache layer num_hidden_layers (``cfg.num_cache_layers`` layers)."""
+        require_mtp(self.cfg)
+        x = self.mtp.project(self.embed_tokens(tokens), previous_hidden)
+        return self.mtp.prefill(x, positions, seq_lens, cache, slots, block_tables, ctx_lens, block_size, cu_seqlens)
+
+    def mtp_logits(self, h):
+        """The MTP layer's logits (float32) of its hidden states: shared_head.head(shared_head.norm(h))."""
+        require_mtp(self.cfg)
+        return self.mtp.shared_head(h)
+
+    def __call__(self, tokens):
+        """Used only to create parameters (init): the MTP layer's too."""
+        B, S = tokens.shape
+        pos = jnp.broadcast_to(jnp.arange(S), (B, S))
+        h, _ = self.prefill(tokens, pos, jnp.full((B,), S))
+        if self.cfg.num_nextn_predict_layers:
+            m, _ = self.mtp_hidden(tokens, pos, h, jnp.full((B,), S))
+            self.mtp_logits(m)
+        return self.logits(h)
 
 
 # ----------------------------------------------------------------------------- HF names
@@ -268,16 +375,49 @@ def fused_parts(cfg: DeepseekConfig, path: tuple[str, ...]):
             (attn + ("kv_a_proj_with_mqa", "weight"), cfg.kv_cache_dim))
 
 
-def is_mtp_tensor(name: str, cfg: DeepseekConfig) -> bool:
-    """Multi-token-prediction layers sit after the decoder layers: decoding does not use them."""
-    ref = hf_to_param(name)
-    return (ref is not None and ref.layer is not None
-            and cfg.num_hidden_layers <= ref.layer < cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+_MTP_EMBED = re.compile(r"model\.layers\.(\d+)\.embed_tokens\.weight$")
+
+
+def shared_tensor(name: str, cfg: DeepseekConfig) -> str | None:
+    """The MTP layer's ``model.layers.<L>.embed_tokens.weight`` (L = num_hidden_layers): DeepSeek-V3's
+    copy of the main embedding, which the model shares rather than stores twice. The loader checks the
+    two are equal (an MTP layer with an embedding of its own is refused)."""
+    m = _MTP_EMBED.match(name)
+    if m and cfg.num_hidden_layers <= int(m.group(1)) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
+        return "model.embed_tokens.weight"
+    return None
+
+
+def fit_config(hf_config: dict, names) -> tuple[dict, str | None]:
+    """config.json contents for a checkpoint holding the tensors ``names``: a config with an MTP layer
+    that the checkpoint lacks altogether (converted without it) loads without it
+    (num_nextn_predict_layers 0, and a message saying so), as before MTP was loaded; a partial MTP
+    layer is left to the loader, which names what is missing."""
+    n = hf_config.get("num_nextn_predict_layers")
+    n, L = (hf_config.get("num_mtp_layers") if n is None else n) or 0, hf_config.get("num_hidden_layers")
+    if not (is_int(n) and n > 0 and is_int(L)):  # none asked for, or a value parse_config refuses
+        return hf_config, None
+    prefixes = tuple(f"model.layers.{L + i}." for i in range(n))
+    if any(name.startswith(prefixes) for name in names):
+        return hf_config, None
+    return (dict(hf_config, num_nextn_predict_layers=0),
+            f"config.json has num_nextn_predict_layers {n} but the checkpoint holds no tensor of its MTP layer "
+            f"(model.layers.{L}.*): loaded without it (no speculative decoding with this checkpoint)")
+
+
+def add_checkpoint_extras(cfg: DeepseekConfig, tensors: dict, seed: int, dtype) -> dict:
+    """A random checkpoint with an MTP layer carries that layer's copy of the embedding, as DeepSeek-V3's does."""
+    for i in range(cfg.num_nextn_predict_layers):
+        tensors[f"model.layers.{cfg.num_hidden_layers + i}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    return tensors
 
 
 def is_fp8_quantized(name: str) -> bool:
     """Which tensors DeepSeek-V3 stores in float8: the projection matrices, not the
-    embeddings, lm_head, norms or router."""
+    embeddings, lm_head, norms or router, nor the MTP layer's eh_proj (bf16 there, as its
+    shared_head.head)."""
+    if name.endswith("eh_proj.weight"):
+        return False
     return name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
 
 
@@ -340,8 +480,9 @@ def with_layers(cfg: dict, n: int) -> dict:
 FAMILY = ModelFamily(
     name="deepseek", model_types=MODEL_TYPES, parse_config=parse_config, causal_lm=DeepseekForCausalLM,
     hf_to_param=hf_to_param, param_to_hf=param_to_hf, experts_stacked_on_disk=False,
-    is_fp8_quantized=is_fp8_quantized, presets=PRESETS, with_layers=with_layers, ignores=is_mtp_tensor,
-    fused_parts=fused_parts,
+    is_fp8_quantized=is_fp8_quantized, presets=PRESETS, with_layers=with_layers,
+    fused_parts=fused_parts, shared_tensor=shared_tensor, fit_config=fit_config,
+    add_checkpoint_extras=add_checkpoint_extras,
     fp8_kv_cache=True,
     transformers_classes={"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
                           "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM")},

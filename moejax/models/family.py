@@ -36,8 +36,15 @@ class ModelFamily:
     # The loader concatenates the parts (FP8: their block scales too); the checkpoint writer splits them.
     fused_parts: Callable[[Any, tuple[str, ...]], tuple[tuple[tuple[str, ...], int], ...] | None] = \
         lambda cfg, path: None
-    # Tensors the checkpoint holds but the model does not build (MTP layers, a vision tower).
+    # Tensors the checkpoint holds but the model does not build (a vision tower).
     ignores: Callable[[str, Any], bool] = lambda name, cfg: False
+    # A checkpoint tensor the model shares with another instead of storing it (DeepSeek's MTP layer's
+    # embed_tokens: the main embedding): (name, cfg) -> the tensor it must equal, or None. The loader
+    # refuses the checkpoint when the two differ.
+    shared_tensor: Callable[[str, Any], str | None] = lambda name, cfg: None
+    # config.json contents fitted to the checkpoint's tensor names before parsing (hf_config, names) ->
+    # (hf_config, a message to show or None): DeepSeek drops an MTP layer the checkpoint lacks altogether.
+    fit_config: Callable[[dict, Any], tuple[dict, str | None]] = lambda hf_config, names: (hf_config, None)
     # A random checkpoint's final tensors (cfg, HF tensors, seed, dtype) -> tensors: e.g. a VL wrapper's
     # name prefix and vision-tower stand-ins.
     add_checkpoint_extras: Callable[[Any, dict, int, Any], dict] = lambda cfg, tensors, seed, dtype: tensors

@@ -100,6 +100,11 @@ class Step3Config:
     num_nextn_predict_layers: int = 0
 
     @property
+    def num_cache_layers(self) -> int:
+        """The KV-cache layers the attention indexes (no MTP layer is built for Step3)."""
+        return self.num_hidden_layers
+
+    @property
     def kv_cache_dim(self) -> int:
         """Per token per layer: the rotated K and the V of every KV head, [k | v]."""
         return 2 * self.num_attention_groups * self.head_dim

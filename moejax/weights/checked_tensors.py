@@ -35,8 +35,20 @@ class CheckedTensors:
         return tqdm(names, desc="Loading weights", unit="tensor", disable=not progress)
 
     def skip(self, name: str) -> None:
-        """A tensor the model does not build (MTP layers, a vision tower): its scale is accounted for."""
+        """A tensor the model does not build (a vision tower) or shares with another (an MTP layer's
+        embedding): its scale is accounted for."""
         self._used.add(name + SCALE_SUFFIX)
+
+    def equal(self, a: str, b: str, rows: int = 4096) -> bool:
+        """Whether two tensors hold the same shape and values (compared in float32, ``rows`` leading rows
+        at a time: two vocabulary-sized embeddings are never both in memory)."""
+        x, y = self.files.get(a), self.files.get(b)
+        if x.shape != y.shape:
+            return False
+        if x.ndim == 0:
+            return bool(np.asarray(x, np.float32) == np.asarray(y, np.float32))
+        return all(np.array_equal(np.asarray(x[i:i + rows], np.float32), np.asarray(y[i:i + rows], np.float32))
+                   for i in range(0, x.shape[0], rows))
 
     def get(self, name: str):
         """(array, block scales or None): scales exactly when the weight is float8."""

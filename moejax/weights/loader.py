@@ -18,6 +18,9 @@ and re-quantised per 128x128 block (moejax/weights/fp8.py ``reblock_fp8``). Its 
 checkpoint's own weights is measured matrix by matrix (``ReblockStats``) and reported once at the
 end of the load, as a UserWarning and a line on stderr.
 
+A tensor the family shares with another (``shared_tensor``: DeepSeek-V3's MTP layer's
+``embed_tokens``, the main embedding) is not stored: it is checked equal to that other, or refused.
+
 Fused leaves (the family's ``fused_parts``: DeepSeek MLA's ``qkv_a_proj``) are the rows of
 several HF tensors, each converted as above and concatenated along ``out`` once all have
 arrived; FP8 scales stack the same way (the model fuses only where the split falls on a block
@@ -120,6 +123,13 @@ def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool 
     for name in tensors.names(progress):
         if family.ignores(name, cfg):
             tensors.skip(name)
+            continue
+        same_as = family.shared_tensor(name, cfg)
+        if same_as is not None:  # not stored; refused unless equal to the tensor it shares (its absence: below)
+            tensors.skip(name)
+            if same_as in tensors.files and not tensors.equal(name, same_as):
+                raise ValueError(f"checkpoint tensor {name!r} differs from {same_as!r}: this model shares one "
+                                 "tensor for both (DeepSeek-V3's MTP layer's embedding is the main embedding)")
             continue
         ref = family.hf_to_param(name)
         if ref is None or (ref.path not in expected and ref.path not in fused_of) \

@@ -63,11 +63,14 @@ def unflatten(flat: dict[tuple[str, ...], object]) -> dict:
 
 def layer_type(path: tuple[str, ...]) -> str:
     """The layer type of a parameter, in the FP8 policy's words (moejax/layers/fp8_policy.py) plus
-    "embedding", "router" and "norm": for memory plans and byte counts."""
+    "embedding", "router", "norm" and "mtp_proj" (a DeepSeek MTP layer's eh_proj; its shared_head's
+    head is an "lm_head"): for memory plans and byte counts."""
     if path[0] == "embed_tokens":
         return "embedding"
-    if path[0] == "lm_head":
+    if path[0] == "lm_head" or path[1:3] == ("shared_head", "head"):
         return "lm_head"
+    if path[1:2] == ("eh_proj",):
+        return "mtp_proj"
     if "norm" in path[-2] or path[0] == "norm":
         return "norm"
     if path[1] == "self_attn":
