@@ -18,6 +18,7 @@ import os
 import threading
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
 ENV_VAR = "MOEJAX_COMPILATION_CACHE_DIR"
 OFF = ("", "off", "none", "0", "false")
@@ -58,8 +59,7 @@ def enable_persistent_cache(path: str | None = None) -> str | None:
         raise ValueError(f"compilation_cache_dir {d!r} cannot be created: {e}") from None
     if jax.config.jax_compilation_cache_dir not in (None, "", d):
         # JAX opens its cache once: a new directory in the same process takes a reset (public API).
-        from jax.experimental.compilation_cache import compilation_cache as cc
-        cc.reset_cache()
+        jax_compilation_cache.reset_cache()
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", d)
     # JAX's defaults skip programs that compiled in under a second: a restart should compile nothing.
