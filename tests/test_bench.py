@@ -56,7 +56,7 @@ def test_sweep_end_to_end_on_tiny_model(tmp_path):
     out = str(tmp_path / "sweep")
     rows = sweep.main(["--concurrency", "1,4", "--num-prompts", "8", "--random-input-len", "16",
                        "--random-output-len", "6", "--dtype", "float32", "--max-model-len", "128",
-                       "--out-dir", out, "--disable-tqdm", "--warmup"])
+                       "--out-dir", out, "--disable-tqdm", "--warmup", "--server-args=--no-precompile"])
     assert [r["concurrency"] for r in rows] == [1, 4]
     with open(os.path.join(out, "sweep.csv")) as f:
         table = list(csv.DictReader(f))

@@ -72,7 +72,7 @@ def router(tiny_path):
     started here and given to the router by URL (--decode-urls): both ways of having workers."""
     serve = os.path.join(ROOT, "scripts", "serve.py")
     common = ["--model", tiny_path, "--served-model-name", NAME, "--dtype", "float32", "--max-model-len",
-              str(MAX_LEN), "--max-num-seqs", "8", "--shutdown-timeout", "5"]
+              str(MAX_LEN), "--max-num-seqs", "8", "--shutdown-timeout", "5", "--no-precompile"]
     env = {**os.environ, "PYTHONPATH": ROOT}
     dport, port = free_port(), free_port()
     decode = subprocess.Popen([sys.executable, serve, *common, "--role", "decode", "--block-size", "8",

@@ -165,7 +165,7 @@ def _serve(job, layout, port):
     d, ckpt, spec = job
     return _launch(d / f"serve-{layout}.log", "--grace", "20", "--", "scripts/serve.py", "--model", ckpt, "--parallel", spec["layouts"][layout],
                    "--dtype", "float32", "--max-model-len", "96", "--max-num-seqs", "4", "--num-kv-blocks", "24",
-                   "--port", str(port), "--peer-timeout", str(PEER_TIMEOUT_S))
+                   "--no-precompile", "--port", str(port), "--peer-timeout", str(PEER_TIMEOUT_S))
 
 
 def _wait_healthy(proc, base, timeout=180):

@@ -521,7 +521,8 @@ def test_sigterm_exits_zero_with_streams_ended(tiny_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "serve.py"), "--model", tiny_path,
                              "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
-                             "--num-kv-blocks", "256", "--max-num-seqs", "4", "--shutdown-timeout", "1"],
+                             "--num-kv-blocks", "256", "--max-num-seqs", "4", "--shutdown-timeout", "1",
+                             "--no-precompile"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"

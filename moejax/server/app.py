@@ -104,7 +104,7 @@ async def _parse(request: web.Request, chat: bool) -> protocol.ParsedRequest:
     if state.draining:
         raise APIError("the server is shutting down", 503, type_="internal_server_error")
     aengine = request.app[ENGINE_KEY]
-    if aengine.is_alive and not aengine.ready.is_set():
+    if aengine.is_alive and _starting(aengine):
         raise APIError("the server is starting (compiling its programs); retry when /health answers 200", 503,
                        type_="internal_server_error")
     raw = await request.read()
@@ -233,12 +233,18 @@ async def models(request: web.Request):
          "root": ctx.model_names[-1], "max_model_len": ctx.max_model_len}]})
 
 
+def _starting(aengine) -> bool:
+    """Still compiling its programs (an AsyncEngine with precompile; a router has no start-up of its own)."""
+    ready = getattr(aengine, "ready", None)
+    return ready is not None and not ready.is_set()
+
+
 async def health(request: web.Request):
     aengine = request.app[ENGINE_KEY]
     if request.app[STATE_KEY].draining:
         return web.json_response(protocol.error_body("the server is shutting down", "internal_server_error", None,
                                                      503), status=503)
-    if aengine.is_alive and not aengine.ready.is_set():
+    if aengine.is_alive and _starting(aengine):
         return web.json_response(protocol.error_body("starting: compiling the engine's programs",
                                                      "internal_server_error", None, 503), status=503)
     if aengine.is_alive:
