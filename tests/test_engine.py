@@ -338,3 +338,30 @@ def test_seeded_draw_does_not_follow_the_sort_order():
     on_pair = np.isin(np.asarray(ta), [i, j])
     assert on_pair.mean() > 0.3  # the pair does get drawn
     assert np.array_equal(np.asarray(ta), np.asarray(tb))
+
+
+def test_untruncated_sampling_skips_the_sort_with_the_same_tokens():
+    """Invariant (layers/sampler.py): a batch where no sampling row asks for top-k/top-p draws without
+    the vocabulary sort (SampleMode.truncate False) and gets the tokens the sorting variant gives the
+    same rows: same keys, same Gumbel-max over the vocabulary in token order. Rows mix greedy and
+    sampling; the seed is printed so a failure replays."""
+    from moejax.layers.sampler import SampleMode
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    B, V = 64, 257
+    logits = jnp.asarray(rng.standard_normal((B, V)).astype(np.float32) * 2)
+    temp = jnp.asarray(np.where(rng.random(B) < 0.25, 0.0, rng.uniform(0.3, 1.5, B)), jnp.float32)
+    seeds = jnp.asarray(rng.integers(0, 1 << 32, size=B, dtype=np.uint64).astype(np.uint32))
+    pos = jnp.asarray(rng.integers(0, 4096, size=B), jnp.int32)
+    ones, zeros = jnp.ones(B, jnp.float32), jnp.zeros(B, jnp.int32)
+    full = sample(logits, temp, ones, zeros, seeds, pos, SampleMode(True, False, True))
+    fast = sample(logits, temp, ones, zeros, seeds, pos, SampleMode(True, False, False))
+    assert np.array_equal(np.asarray(full[0]), np.asarray(fast[0]))
+    np.testing.assert_array_equal(np.asarray(full[1]), np.asarray(fast[1]))
+    assert len(set(np.asarray(fast[0]).tolist())) > 10  # the draws do vary
+    # The mode the host picks: truncation only where a sampling row asks for it.
+    assert SampleMode.of([SamplingParams(temperature=0.7)]).truncate is False
+    assert SampleMode.of([SamplingParams(temperature=0.7, top_p=0.9)]).truncate is True
+    assert SampleMode.of([SamplingParams(top_k=5), SamplingParams(temperature=1.0)]).truncate is False
+    assert len(set(SampleMode.all())) == 6

@@ -299,7 +299,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         threads = threads or int(os.environ.get("MOEJAX_COMPILE_THREADS") or min(8, os.cpu_count() or 1))
         steps = self._step_lowerings()
-        modes = [SampleMode(r, t) for r in (False, True) for t in (False, True)]
+        modes = SampleMode.all()
         n_sample = len({b for _, b, _ in steps}) * len(modes)
         n_feed = len(self.buckets.decode_shapes()) // len(self.buckets.decode_widths)
         total = len(steps) + n_sample + n_feed + 2 * len(powers_of_two(next_pow2(self.max_model_len, 16), 16))

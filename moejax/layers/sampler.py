@@ -9,7 +9,10 @@ static ``SampleMode`` the host knows, not a ``lax.cond`` on the device: XLA:GPU 
 conditional's predicate back to the host before it launches the branch, which made every step's
 dispatch wait for the step itself (measured on the H200: the decode call returned only after the
 device had run it, so the host could not build the next step meanwhile). A batch's mode picks one
-of at most four compiled variants of a step (greedy-only batches skip the vocabulary sort).
+of six small compiled sampler variants (model_runner.py runs sampling as its own program):
+greedy-only batches skip the random draw, and batches where no row truncates (top-k off, top-p 1)
+skip the vocabulary sort: their draw is the same Gumbel-max over the vocabulary in token order that
+the truncating path makes with nothing dropped, so the tokens are identical either way.
 """
 
 from typing import NamedTuple
@@ -42,12 +45,20 @@ class SampleMode(NamedTuple):
     """What a batch's sampling needs, known on the host (static: one compiled variant each)."""
     random: bool = True  # some row samples (temperature > 0); else every row is greedy
     top: bool = True  # some row asks for top logprobs
+    truncate: bool = True  # some sampling row has top-k or top-p (the vocabulary sort); only with random
 
     @classmethod
     def of(cls, params) -> "SampleMode":
         """The mode of a batch of SamplingParams."""
         params = list(params)
-        return cls(any(p.temperature > 0 for p in params), any(p.top_logprobs for p in params))
+        random = any(p.temperature > 0 for p in params)
+        truncate = random and any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params)
+        return cls(random, any(p.top_logprobs for p in params), truncate)
+
+    @classmethod
+    def all(cls) -> list["SampleMode"]:
+        """Every distinct mode (what start-up compilation builds)."""
+        return [cls(r, t, c) for r in (False, True) for t in (False, True) for c in ((False, True) if r else (False,))]
 
 
 def _top_logprobs(logprobs, want: bool):
@@ -71,7 +82,11 @@ def sample(logits, temperature, top_p, top_k, seeds, positions, mode: SampleMode
     greedy = jnp.argmax(logits, axis=-1)
     if mode.random:
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
-        sampled = _sample_rows(logits, temperature, top_p, top_k, keys)
+        if mode.truncate:
+            sampled = _sample_rows(logits, temperature, top_p, top_k, keys)
+        else:  # nothing to drop: the same draw without the sort
+            scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+            sampled = jax.vmap(jax.random.categorical)(keys, scaled)
         tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
     else:  # the whole batch is greedy: no vocabulary sort
         tokens = greedy.astype(jnp.int32)
