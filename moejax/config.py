@@ -18,6 +18,7 @@ from moejax.engine import scheduling_policy as _policy
 from moejax.kernel_selection import KERNEL_MODES, SHARED_FUSION
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.kv_quant import KV_CACHE_DTYPES
+from moejax.models.deepseek import require_mtp
 from moejax.models.registry import family_of
 from moejax.parallel import ffi_library
 from moejax.parallel.config import ParallelConfig
@@ -55,6 +56,45 @@ class SchedulerConfig:
     scheduling_policy: str = _policy.DEFAULT
 
 
+SPEC_METHODS = ("mtp", "deepseek_mtp")  # vLLM's names of the MTP drafter ("deepseek_mtp": its older alias)
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's ``speculative_config``: the model's own MTP layer drafts
+    ``num_speculative_tokens`` tokens a step, the target verifies them (moejax/engine/speculative.py)."""
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+    @classmethod
+    def parse(cls, value, model) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, or vLLM's dict {"method": "mtp", "num_speculative_tokens": k}; a
+        ValueError names the field that is wrong; a model without an MTP layer gets require_mtp's error."""
+        if value is None or isinstance(value, cls):
+            spec = value
+        else:
+            if not isinstance(value, dict):
+                raise ValueError(f"speculative_config must be a dict like {{\"method\": \"mtp\", "
+                                 f"\"num_speculative_tokens\": 1}} or None, got {value!r}")
+            unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+            if unknown:
+                raise ValueError(f"speculative_config.{unknown[0]}: unknown field (known: method, "
+                                 "num_speculative_tokens)")
+            method = value.get("method", "mtp")
+            if method not in SPEC_METHODS:
+                raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS} (the model's own "
+                                 f"multi-token-prediction layer), got {method!r}")
+            k = value.get("num_speculative_tokens")
+            if not _positive_int(k) or k > MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
+                                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+            spec = cls("mtp", k)
+        if spec is not None:
+            require_mtp(model)
+        return spec
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: Any  # the family's config dataclass (DeepseekConfig, Step3Config, ...)
@@ -65,6 +105,16 @@ class EngineConfig:
     kernels: str = "auto"  # "auto" | "pallas" | "xla" (moejax/kernel_selection.py)
     fp8: Fp8Policy = NO_FP8  # which layer types keep FP8 block-scaled weights
     fuse_shared_experts: str = "auto"  # "auto" | "on" | "off" (kernel_selection.shared_expert_fusion)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def num_cache_layers(self) -> int:
+        """KV-cache layers the runner allocates: the decoder layers', plus the MTP layer's with speculation."""
+        return self.model.num_cache_layers if self.speculative else self.model.num_hidden_layers
 
     @classmethod
     def create(cls, model, *, dtype: str = "bfloat16", parallel: str | ParallelConfig | None = None,
@@ -74,7 +124,7 @@ class EngineConfig:
                fp8_variant: str = "w8a16", enable_prefix_caching: bool = True,
                gpu_memory_utilization: float = 0.9, max_preemptions: int = 16,
                fuse_shared_experts: str = "auto", async_scheduling: bool = False,
-               scheduling_policy: str = _policy.DEFAULT) -> "EngineConfig":
+               scheduling_policy: str = _policy.DEFAULT, speculative_config=None) -> "EngineConfig":
         """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
 
         ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8; blocks other than
@@ -85,7 +135,8 @@ class EngineConfig:
         ``gpu_memory_utilization`` (0, 1]: the share of device memory the cache is sized to fill when
         ``num_kv_blocks`` is None. ``max_preemptions``: how often a sequence may be preempted before
         it is finished with an error. ``scheduling_policy``: "prefill-first", "interleave:N" or
-        "token-budget:T" (moejax/engine/scheduling_policy.py)."""
+        "token-budget:T" (moejax/engine/scheduling_policy.py). ``speculative_config``: None or vLLM's
+        {"method": "mtp", "num_speculative_tokens": k} (SpeculativeConfig)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if kernels not in KERNEL_MODES:
@@ -143,8 +194,9 @@ class EngineConfig:
                     ffi_library.require()
                 except ffi_library.FfiUnavailable as e:
                     raise ValueError(str(e)) from None
+        speculative = SpeculativeConfig.parse(speculative_config, model)
         return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels, fp8=fp8,
-                   fuse_shared_experts=fuse_shared_experts,
+                   fuse_shared_experts=fuse_shared_experts, speculative=speculative,
                    scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens, max_preemptions,
                                              async_scheduling, scheduling_policy),
                    cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching,

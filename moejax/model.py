@@ -212,7 +212,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
          enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
          max_preemptions: int = 16, fuse_shared_experts: str = "auto", async_scheduling: bool = False,
          scheduling_policy: str = "prefill-first", load_format: str = "auto", precompile: bool = False,
-         compilation_cache_dir: str | None = None) -> Model:
+         compilation_cache_dir: str | None = None, speculative_config: dict | None = None) -> Model:
     """Loads an HF checkpoint directory of a registered family (DeepSeek-V2/V3, Step3), or one
     written by ``moejax.save``.
 
@@ -243,6 +243,9 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     ``async_scheduling`` builds each decode step while the one before it runs (its tokens read one
     step late; the same tokens as with it off: moejax/engine/llm_engine.py); off by default (measured
     slower on the H200 so far, docs/architecture.md).
+    ``speculative_config``: speculative decoding as vLLM's, {"method": "mtp", "num_speculative_tokens": k}: the
+    checkpoint's MTP layer drafts k tokens a step and the model verifies them in one step (greedy output is
+    the same, sampled output the same distribution and, seeded, the same tokens: moejax/engine/speculative.py).
     ``precompile``: compile every program the engine can run for this configuration now (the decode,
     prefill and sampling buckets: moejax/engine/buckets.py) instead of on first use, so no later call
     compiles (the server always does). ``compilation_cache_dir``: JAX's persistent compilation cache,
@@ -258,7 +261,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     model = _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv_blocks, max_prefill_tokens,
                   progress, kv_cache_dtype, kernels, weight_dtype, fp8_layers, fp8_variant, enable_prefix_caching,
                   gpu_memory_utilization, max_preemptions, fuse_shared_experts, async_scheduling, scheduling_policy,
-                  load_format)
+                  load_format, speculative_config)
     if precompile:
         model.engine.precompile(progress)
     return model
@@ -267,7 +270,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
 def _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv_blocks, max_prefill_tokens,
           progress, kv_cache_dtype, kernels, weight_dtype, fp8_layers, fp8_variant, enable_prefix_caching,
           gpu_memory_utilization, max_preemptions, fuse_shared_experts, async_scheduling, scheduling_policy,
-          load_format) -> Model:
+          load_format, speculative_config=None) -> Model:
     _check_load_format(load_format)
     if load_format == "dummy":
         hf_config = _dummy_config(path)
@@ -291,7 +294,7 @@ def _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv
                                  enable_prefix_caching=enable_prefix_caching,
                                  gpu_memory_utilization=gpu_memory_utilization, max_preemptions=max_preemptions,
                                  fuse_shared_experts=fuse_shared_experts, async_scheduling=async_scheduling,
-                                 scheduling_policy=scheduling_policy)
+                                 scheduling_policy=scheduling_policy, speculative_config=speculative_config)
     if load_format == "dummy":
         return random_weights_model(config, hf_config, source_dir=path, tokenizer_dir=tokenizer_source(path, "dummy"))
     placer = ParamPlacer(config)

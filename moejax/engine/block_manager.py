@@ -173,6 +173,13 @@ class BlockManager:
         if self.blocks_needed(len(seq) + seq.num_pending_tokens) > len(seq.block_table):
             seq.block_table.append(self.pools[seq.dp_rank].take())
 
+    def reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Blocks for up to num_tokens tokens, taken only while free ones are left (no preemption): the
+        positions a speculative step writes ahead of the sequence (its drafts); kept for its next tokens."""
+        pool = self.pools[seq.dp_rank]
+        while self.blocks_needed(num_tokens) > len(seq.block_table) and pool.free:
+            seq.block_table.append(pool.take())
+
     def cache_computed(self, seq: Sequence) -> None:
         """Registers the sequence's full blocks whose latents are now all in the cache."""
         if not self.enable_prefix_caching:

@@ -48,6 +48,12 @@ class EngineStats:
     decode_time: float = 0.0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # ... found there (not recomputed)
+    # Speculative decoding (vLLM's spec_decode counters): sequences with drafts verified, draft tokens
+    # verified, drafts accepted, and drafts accepted at each draft position (empty without speculation).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple = ()
 
     @property
     def decode_throughput(self) -> float:
@@ -78,11 +84,13 @@ class LLMEngine:
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, runner.max_num_seqs * runner.num_ranks,
                                    config.scheduler.max_prefill_tokens, config.scheduler.max_preemptions,
-                                   runner.max_model_len, config.scheduler.scheduling_policy)
-        self.stats = EngineStats()
+                                   runner.max_model_len, config.scheduler.scheduling_policy,
+                                   lookahead=config.num_speculative_tokens)
+        self.stats = EngineStats(spec_accepted_per_pos=(0,) * config.num_speculative_tokens)
         # Seeds of requests that bring none: the same in every process of a multi-process job.
         self._rng = random.Random(shared_seed())
-        self.async_scheduling = config.scheduler.async_scheduling
+        # Speculative decode steps run synchronously: the next step's positions depend on what this one accepts.
+        self.async_scheduling = config.scheduler.async_scheduling and runner.spec is None
         self._in_flight: DecodeStep | None = None  # the decode step dispatched and not yet read
         self._reading: DecodeStep | None = None  # the one being read (the next one dispatched already)
 
@@ -197,6 +205,8 @@ class LLMEngine:
 
     def _run_sync(self, kind: str, seqs: list[Sequence], t0: float) -> tuple[str, list[Sequence]]:
         """One step run and read at once (every step with async scheduling off; prefills with it on)."""
+        if kind == "decode" and self.runner.spec is not None:
+            return self._run_spec_decode(seqs, t0)
         new_tokens = sum(s.num_new_tokens for s in seqs)
         out = self.runner.prefill(seqs) if kind == "prefill" else self.runner.decode(seqs)
         dt = time.perf_counter() - t0
@@ -222,6 +232,28 @@ class LLMEngine:
         for seq in stepped:
             self._append(seq, *by_id[seq.seq_id])
         return kind, stepped
+
+    def _run_spec_decode(self, seqs: list[Sequence], t0: float) -> tuple[str, list[Sequence]]:
+        """A speculative step (engine/speculative.py): each sequence gets its accepted drafts and one more
+        token, appended one by one, so EOS, stop strings and length limits cut an accepted run where they fall."""
+        out = self.runner.spec.decode(seqs)
+        self.balancer.record()
+        st = self.stats
+        st.decode_steps += 1
+        st.decode_time += time.perf_counter() - t0
+        st.spec_num_drafts += out.num_drafts
+        st.spec_num_draft_tokens += out.num_draft_tokens
+        st.spec_num_accepted_tokens += int(out.accepted_per_pos.sum())
+        st.spec_accepted_per_pos = tuple(int(a + b) for a, b in zip(st.spec_accepted_per_pos, out.accepted_per_pos))
+        for seq, toks, lps, tops in zip(seqs, out.tokens, out.logprobs, out.top_logprobs):
+            for t, lp, top in zip(toks, lps, tops):
+                self._append(seq, t, lp, top)
+                st.decode_tokens += 1
+                if seq.is_finished:
+                    break
+            else:  # blocks now wholly accepted become prefix-cache hits
+                self.blocks.cache_computed(seq)
+        return "decode", list(seqs)
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
         p = seq.params

@@ -40,6 +40,7 @@ from moejax import kernel_selection
 from moejax.config import EngineConfig
 from moejax.engine.buckets import Buckets, next_pow2, powers_of_two, token_bucket
 from moejax.engine.sequence import Sequence
+from moejax.engine.speculative import SpecDecoder
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
 from moejax.layers.sampler import MAX_TOP_LOGPROBS, SampleMode, sample
 from moejax.parallel.processes import agree_min, to_host
@@ -72,7 +73,7 @@ def default_num_blocks(config: EngineConfig) -> int:
     cfg, cache, sched = config.model, config.cache, config.scheduler
     row_bytes = (cache_row_dim(cfg.kv_cache_dim, cache.kv_cache_dtype)
                  * cache_array_dtype(cache.kv_cache_dtype, config.dtype, config.kernels).itemsize)
-    per_block = cfg.num_hidden_layers * cache.block_size * row_bytes
+    per_block = config.num_cache_layers * cache.block_size * row_bytes
     per_seq = -(-sched.max_model_len // cache.block_size)
     want = sched.max_num_seqs * per_seq
     stats = jax.local_devices()[0].memory_stats() or {}
@@ -125,7 +126,8 @@ class ModelRunner:
         self.num_slots = self.num_blocks * self.block_size
         kv_dtype = cache_array_dtype(config.cache.kv_cache_dtype, config.dtype, config.kernels)
         # FP8 rows carry their scale (layers/kv_quant.py).
-        shape = (self.num_ranks, cfg.num_hidden_layers, self.num_slots, stored_row_dim(cfg.kv_cache_dim, kv_dtype))
+        # With speculative decoding the MTP layer has a cache layer of its own (index num_hidden_layers).
+        shape = (self.num_ranks, config.num_cache_layers, self.num_slots, stored_row_dim(cfg.kv_cache_dim, kv_dtype))
         if mesh is None:
             self.cache = jnp.zeros(shape, kv_dtype)
         else:
@@ -137,8 +139,12 @@ class ModelRunner:
         cache_dtype = cache_array_dtype(config.cache.kv_cache_dtype, config.dtype, config.kernels)
         self.buckets = Buckets(self.max_num_seqs, config.scheduler.max_prefill_tokens, self.max_blocks_per_seq,
                                kernel_selection.decode_reads_whole_table(cfg, cache_dtype, config.kernels))
-        self._prefill = self._compile(self._prefill_rank, "prefill", with_cache=True)
-        self._prefill_paged = self._compile(self._prefill_paged_rank, "prefill_paged", with_cache=True)
+        # Speculative decoding (engine/speculative.py): its prefill bodies also write the MTP layer's rows.
+        self.spec = SpecDecoder(self, config.num_speculative_tokens) if config.speculative else None
+        self._prefill = self._compile(self.spec.packed_prefill_rank if self.spec else self._prefill_rank, "prefill",
+                                      with_cache=True)
+        self._prefill_paged = self._compile(self.spec.paged_prefill_rank if self.spec else self._prefill_paged_rank,
+                                            "prefill_paged", with_cache=True)
         self._decode = self._compile(self._decode_rank, "decode", with_cache=True)
         self._score = self._compile(self._score_rank, "score", with_cache=False)
         self._sample = self._compile_sample()
@@ -250,7 +256,8 @@ class ModelRunner:
             out = sample(logits[0], temp[0], top_p[0], top_k[0], seeds[0], positions[0], mode=mode)
             # The tokens again, padded to the largest decode batch: the next decode step's input gather
             # (feed) then takes one shape whatever the batch it came from.
-            fed = jnp.zeros((pad,), jnp.int32).at[:out[0].shape[0]].set(out[0])
+            # (A speculative verify's rows may outnumber it: that feed is never used.)
+            fed = jnp.zeros((pad,), jnp.int32).at[:min(out[0].shape[0], pad)].set(out[0][:pad])
             return jax.tree.map(lambda a: a[None], (*out, fed))
 
         if self.mesh is None:
@@ -271,17 +278,20 @@ class ModelRunner:
         N, P, R, C = self.num_ranks, self.params, self.routing, self.cache
         i32 = lambda *shape: np.zeros((N, *shape), np.int32)  # noqa: E731
         out = []
-        for B, W in self.buckets.decode_shapes():
+        if self.spec:  # every decode step is a verify: the decode program never runs
+            out += self.spec.verify_lowerings(i32)
+        for B, W in ([] if self.spec else self.buckets.decode_shapes()):
             tok = self._abstract((N, B), jnp.int32, self._tok_sharding)
             out.append((f"decode B={B} W={W}", B, functools.partial(
                 self._decode.lower, P, R, C, tok, i32(B), i32(B), i32(B, W), i32(B))))
+        extra = 2 if self.spec else 0  # the MTP layer's inputs: following tokens, slots
         for T, B in self.buckets.packed_shapes():
             out.append((f"prefill T={T} B={B}", B, functools.partial(
-                self._prefill.lower, P, R, C, i32(T), i32(T), i32(B + 1), i32(T))))
+                self._prefill.lower, P, R, C, i32(T), i32(T), i32(B + 1), i32(T), *[i32(T)] * extra)))
         for B, S in self.buckets.paged_shapes():
             out.append((f"prefill_paged B={B} S={S}", B, functools.partial(
                 self._prefill_paged.lower, P, R, C, i32(B, S), i32(B, S), i32(B), i32(B), i32(B, S),
-                i32(B, self.buckets.max_width))))
+                i32(B, self.buckets.max_width), *[i32(B, S)] * extra)))
         return out
 
     def _abstract(self, shape, dtype, sharding) -> jax.ShapeDtypeStruct:
@@ -301,8 +311,12 @@ class ModelRunner:
         steps = self._step_lowerings()
         modes = SampleMode.all()
         n_sample = len({b for _, b, _ in steps}) * len(modes)
-        n_feed = len(self.buckets.decode_shapes()) // len(self.buckets.decode_widths)
-        total = len(steps) + n_sample + n_feed + 2 * len(powers_of_two(next_pow2(self.max_model_len, 16), 16))
+        n_feed = 0 if self.spec else len(self.buckets.decode_shapes()) // len(self.buckets.decode_widths)
+        n_draft = (len(self.buckets.decode_shapes()) + len({b for _, b in self.buckets.packed_shapes()}
+                                                           | {b for b, _ in self.buckets.paged_shapes()})
+                   if self.spec else 0)
+        total = (len(steps) + n_sample + n_feed + n_draft
+                 + 2 * len(powers_of_two(next_pow2(self.max_model_len, 16), 16)))
         bar = tqdm(total=total, desc="Compiling programs", unit="prog", disable=not progress)
         done = [0]
 
@@ -339,14 +353,19 @@ class ModelRunner:
             prev = self._abstract((self.num_ranks, self.buckets.max_decode_batch), jnp.int32, tok_shard)
             feed_items = [(f"feed B={b}", functools.partial(
                 self._feed.lower, prev, np.zeros((self.num_ranks, b), np.int32), np.zeros((self.num_ranks, b), np.int32)))
-                for b in batches]
+                for b in ([] if self.spec else batches)]
             run(feed_items)
+            if self.spec:  # the draft programs take the verify's and the prefill's hidden states
+                hidden = {label.split()[0]: jax.tree.leaves(c.out_info)[4] for (label, _, _), c in zip(steps, compiled)}
+                i32 = lambda *shape: np.zeros((self.num_ranks, *shape), np.int32)  # noqa: E731
+                feed_items += self.spec.draft_lowerings(i32, hidden["spec_verify"], hidden["prefill"], tok_shard)
+                run(feed_items[-n_draft:])
             # Moving a sequence's rows between engines (disaggregation): one export and one import a bucket.
             rows = []
             for P in powers_of_two(next_pow2(self.max_model_len, 16), 16):
                 slots = np.zeros(P, np.int32)
                 rows.append((f"export_rows P={P}", functools.partial(self._export.lower, self.cache, np.int32(0), slots)))
-                sds = self._abstract((self.cfg.num_hidden_layers, P, self.row_dim), self.cache.dtype,
+                sds = self._abstract((self.cache.shape[1], P, self.row_dim), self.cache.dtype,
                                      NamedSharding(self.mesh, REPLICATED) if self.mesh is not None else None)
                 rows.append((f"import_rows P={P}", functools.partial(self._import.lower, self.cache, np.int32(0), slots,
                                                                      sds)))
@@ -441,17 +460,24 @@ class ModelRunner:
             B = self.buckets.paged(per_rank, S)
             args = self._paged_arrays(ranks, B, S)
             positions = args[3]  # each chunk's context length: its sampled token's position
-            self.cache, logits, counts, dispatched = self._prefill_paged(self.params, self.routing, self.cache, *args)
+            extra = self.spec.paged_extra(ranks, args) if self.spec else ()
+            self.cache, logits, counts, dispatched, *last = self._prefill_paged(self.params, self.routing, self.cache,
+                                                                                *args, *extra)
         else:
             T, B = self.buckets.packed(max(sum(s.num_new_tokens for s in rs) for rs in ranks))
             args = self._packed_arrays(ranks, B, T)
             positions = np.diff(args[2], axis=1)  # each prompt's length
-            self.cache, logits, counts, dispatched = self._prefill(self.params, self.routing, self.cache, *args)
+            extra = self.spec.packed_extra(ranks, args) if self.spec else ()
+            self.cache, logits, counts, dispatched, *last = self._prefill(self.params, self.routing, self.cache,
+                                                                          *args, *extra)
         self._record(counts, dispatched)
         sampled = self._sample(logits, *self._sampling_arrays(ranks, B), positions,
                                SampleMode.of(s.params for s in seqs))
         where = {s.seq_id: (r, i) for r, rs in enumerate(ranks) for i, s in enumerate(rs)}
-        return self._gather(where, sampled, seqs)
+        out = self._gather(where, sampled, seqs)
+        if self.spec:
+            self.spec.after_prefill(ranks, B, last[0], sampled[0])
+        return out
 
     def _packed_arrays(self, ranks: list[list[Sequence]], B: int, T: int):
         """Each rank's whole prompts back to back: tokens, positions, slots [N, T] and cu_seqlens
@@ -581,8 +607,8 @@ class ModelRunner:
         """Writes ``rows`` [layers, P >= len(slots), row_dim] (export_rows' layout) into ``slots`` on ``rank``."""
         n = len(slots)
         L, P, D = rows.shape
-        if L != self.cfg.num_hidden_layers or D != self.row_dim or P < n:
-            raise ValueError(f"rows of shape {tuple(rows.shape)} do not fit this cache: {self.cfg.num_hidden_layers} "
+        if L != self.cache.shape[1] or D != self.row_dim or P < n:
+            raise ValueError(f"rows of shape {tuple(rows.shape)} do not fit this cache: {self.cache.shape[1]} "
                              f"layers x >= {n} rows x {self.row_dim} values expected")
         padded = np.full(P, self.num_slots, np.int32)
         padded[:n] = slots

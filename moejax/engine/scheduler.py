@@ -33,7 +33,10 @@ from moejax.engine.sequence import Sequence, Status
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_prefill_tokens: int,
-                 max_preemptions: int = 16, max_model_len: int | None = None, scheduling_policy: str = DEFAULT):
+                 max_preemptions: int = 16, max_model_len: int | None = None, scheduling_policy: str = DEFAULT,
+                 lookahead: int = 0):
+        """lookahead: tokens a decode step writes past the sequence's next one (speculative drafts), given
+        blocks when free ones are left (engine/speculative.py caps the drafts to what the blocks hold)."""
         self.blocks = block_manager
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.max_num_seqs = max_num_seqs
@@ -47,6 +50,7 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's metric)
         self.prefix_cache_hits = 0  # ... of which found there
         self.policy = SchedulingPolicy(scheduling_policy)  # when a prefill may run while sequences decode
+        self.lookahead = lookahead
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -84,6 +88,8 @@ class Scheduler:
                 decode.append(seq)
                 kept.append(seq)
         self.running = kept
+        for seq in decode if self.lookahead else ():  # after every sequence has its next token's block
+            self.blocks.reserve(seq, min(len(seq) + self.lookahead, self.max_model_len))
         return ("decode", list(decode)) if decode else ("idle", [])  # a copy: finishing edits running
 
     def prefill_ready(self) -> bool:

@@ -121,7 +121,8 @@ class DeepseekConfig:
     def num_cache_layers(self) -> int:
         """The KV-cache layers the model's attention indexes: the decoder layers', then the MTP
         layer's own rows at index num_hidden_layers (its MLA writes and reads cache layer
-        ``self.layer``). The runner allocates num_hidden_layers today (no MTP step yet)."""
+        ``self.layer``). The runner allocates them all with speculative decoding on (EngineConfig.num_cache_layers),
+        else num_hidden_layers."""
         return self.num_hidden_layers + self.num_nextn_predict_layers
 
     @property
@@ -317,6 +318,14 @@ class DeepseekForCausalLM(CausalLM):
         require_mtp(self.cfg)
         x = self.mtp.project(self.embed_tokens(tokens), previous_hidden)
         return self.mtp.prefill(x, positions, seq_lens, cache, slots, block_tables, ctx_lens, block_size, cu_seqlens)
+
+    def mtp_decode(self, tokens, positions, previous_hidden, cache, slots, block_tables, seq_lens, block_size: int):
+        """The MTP layer as a decode step over rows [R] (each row one token, already counted in seq_lens;
+        rows of one sequence may be consecutive positions, each attending up to itself): what speculative
+        decoding drafts with (moejax/engine/speculative.py). Returns (hidden states [R, H], cache)."""
+        require_mtp(self.cfg)
+        x = self.mtp.project(self.embed_tokens(tokens), previous_hidden)
+        return self.mtp.decode(x, positions, cache, slots, block_tables, seq_lens, block_size)
 
     def mtp_logits(self, h):
         """The MTP layer's logits (float32) of its hidden states: shared_head.head(shared_head.norm(h))."""

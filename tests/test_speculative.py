@@ -1,0 +1,233 @@
+"""Speculative decoding with the MTP layer (issue 32) against the non-speculative engine (the reference):
+the same tokens, logprobs, finish reasons and texts for greedy and seeded requests (bf16-free float32
+models, "auto" and FP8 KV cache, k = 1 and 2, prefix-cache hits, chunked prompts, stop strings, length
+limits); the accept path driven for real by injected drafts (always right: ~1/(k+1) of the steps; always
+wrong: as many steps as without speculation), with stops and limits inside accepted runs; the sampled
+distribution at a drafted position (chi-square against the model's own probabilities); dp8-ep8 with DBO
+on 8 host devices; async scheduling accepted (runs the steps synchronously); start-up compilation
+covering every speculative program; bad configurations refused naming the field.
+
+The checkpoint is v3-tiny with its MTP layer (``num_nextn_predict_layers`` 1), random weights of std 0.1
+(logits spread: greedy near-ties rare) from a fresh seed (the module fixture prints it)."""
+
+import numpy as np
+import pytest
+
+import moejax
+from moejax.config import EngineConfig
+from moejax.engine.sampling_params import SamplingParams
+from moejax.models.registry import parse_model_config
+from moejax.tiny.checkpoint import make_random_checkpoint
+from moejax.tiny.presets import preset
+
+CFG = preset("v3-tiny", num_nextn_predict_layers=1)
+V = CFG["vocab_size"]
+# Small blocks and prefill budget: drafts cross block boundaries, prompts over 16 tokens are chunked. Few
+# buckets (batches 1-4, four block-table widths): the file's time is mostly compilation.
+KW = dict(dtype="float32", max_model_len=64, max_num_seqs=4, block_size=8, max_prefill_tokens=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"checkpoint seed {seed}")
+    return make_random_checkpoint(str(tmp_path_factory.mktemp("mtp")), CFG, seed=seed, std=0.1)
+
+
+_MODELS: dict = {}
+
+
+def _load(path, k=0, **kw):
+    key = (path, k, tuple(sorted(kw.items())))
+    if key not in _MODELS:
+        spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        _MODELS[key] = moejax.load(path, **{**KW, **kw}, speculative_config=spec)
+    return _MODELS[key]
+
+
+def _run(model, prompts, params):
+    eng = model.engine
+    steps0 = eng.stats.decode_steps
+    seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while any(not s.is_finished for s in seqs):
+        kind, _ = eng.step()
+        assert kind != "idle"
+    assert eng.blocks.num_free == eng.blocks.num_blocks  # drafts' blocks freed with their sequence
+    return [(s.output_ids, list(s.logprobs), s.finish_reason, s.text) for s in seqs], eng.stats.decode_steps - steps0
+
+
+def _assert_same(got, want):
+    for g, w in zip(got, want):
+        assert g[0] == w[0] and g[2:] == w[2:], (g, w)
+        np.testing.assert_allclose(g[1], w[1], rtol=1e-5, atol=1e-5)
+
+
+def _prompts(rng, n, lo=3, hi=24):
+    return [rng.integers(2, V, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def _mixed(rng, n):
+    """Greedy, seeded top-p and top-logprobs requests, each with its own max_new_tokens, EOS ignored."""
+    out = []
+    for i in range(n):
+        extra = [{}, dict(temperature=0.8, top_p=0.9, seed=int(rng.integers(1 << 30))), dict(top_logprobs=3)][i % 3]
+        out.append(SamplingParams(max_new_tokens=int(rng.integers(2, 16)), ignore_eos=True, logprobs=True, **extra))
+    return out
+
+
+@pytest.mark.parametrize("kv,k", [("auto", 1), ("fp8", 2)])
+def test_same_tokens_as_reference(ckpt, kv, k):
+    """Greedy, seeded and top-logprobs requests (some prompts chunked), then the same prompts extended
+    (prefix-cache hits): the speculative engine returns the reference's tokens, logprobs, finish reasons
+    and texts. (Stop strings: test_accept_path_with_injected_drafts.)"""
+    rng = np.random.default_rng()
+    base, spec = _load(ckpt, kv_cache_dtype=kv), _load(ckpt, k, kv_cache_dtype=kv)
+    prompts, params = _prompts(rng, 6), _mixed(rng, 6)
+    want, _ = _run(base, prompts, params)
+    _assert_same(_run(spec, prompts, params)[0], want)
+    hits = spec.engine.stats.prefix_cache_hits
+    longer = [p + w[0] + rng.integers(2, V, size=3).tolist() for p, w in zip(prompts, want)]
+    want2, _ = _run(base, longer, params)
+    _assert_same(_run(spec, longer, params)[0], want2)
+    assert spec.engine.stats.prefix_cache_hits > hits
+    st = spec.engine.stats
+    assert st.spec_num_draft_tokens > 0 and len(st.spec_accepted_per_pos) == k
+
+
+def test_accept_path_with_injected_drafts(ckpt):
+    """k = 2 with drafts injected from the reference's own greedy output: always right, every step
+    accepts both (ceil((n - 1) / 3) steps for n tokens, the first from the prefill) and stop strings and
+    max_new_tokens falling inside an accepted run cut it there; always wrong, as many steps as without
+    speculation. Tokens, logprobs, finish reasons and texts are the reference's."""
+    rng = np.random.default_rng()
+    k = 2
+    base, spec = _load(ckpt), _load(ckpt, k)
+    prompts = _prompts(rng, 4, 3, 16)  # unchunked: every prompt is prefilled before the first decode step
+    lens = [5, 6, 7, 11]  # n - 1 = 4, 5, 6, 11 decode tokens: every offset of a length limit in a run
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=True) for n in lens]
+    want, base_steps = _run(base, prompts, params)
+    full = {tuple(p): p + w[0] + [0] * 8 for p, w in zip(prompts, want)}
+
+    def right(seq):
+        return full[tuple(seq.token_ids[:seq.num_prompt_tokens])][len(seq):len(seq) + k]
+
+    drafter = spec.engine.runner.spec
+    try:
+        drafter.draft_override = right
+        acc0 = spec.engine.stats.spec_num_accepted_tokens
+        got, steps = _run(spec, prompts, params)
+        _assert_same(got, want)
+        assert steps == max(-(-(n - 1) // (k + 1)) for n in lens), steps
+        assert spec.engine.stats.spec_num_accepted_tokens - acc0 >= sum(lens) - len(lens) - k * len(lens)
+        text = next(w[3] for w in want if len(w[3]) >= 5)  # a stop string the reference meets mid-output
+        stop = [SamplingParams(max_new_tokens=11, ignore_eos=True, stop=[text[3:5]])] * len(prompts)
+        want_stop, _ = _run(base, prompts, stop)
+        assert any(w[2] == "stop" for w in want_stop)
+        _assert_same(_run(spec, prompts, stop)[0], want_stop)
+        drafter.draft_override = lambda seq: [(t + 1) % V for t in right(seq)]
+        got, steps = _run(spec, prompts, params)
+        _assert_same(got, want)
+        assert steps == base_steps
+    finally:
+        drafter.draft_override = None
+
+
+def test_sampled_distribution_at_drafted_positions(ckpt):
+    """300 seeded requests (seeds 0..299) of one prompt at temperature 0.5, top-k 10, 2 tokens each; the second
+    token is verified against a draft (the target's greedy token there, so drafts are both accepted and
+    rejected). Its counts over the vocabulary are compared with the expected counts (the sum over requests
+    of the model's top-10 softmax at temperature 0.5 after each request's first token, from model.score)
+    by a chi-square test, categories of expected count < 5 merged: the test fails at p < 1e-3 (the draws'
+    seeds are fixed; the model's is the module's). The same seeds give the same tokens again."""
+    rng = np.random.default_rng()
+    spec = _load(ckpt, 1)
+    prompt = _prompts(rng, 1, 6, 12)[0]
+    greedy = {}
+
+    def best(seq):  # the target's own greedy token after the first output token
+        a = seq.token_ids[-1]
+        if a not in greedy:
+            greedy[a] = int(np.argmax(spec.score([seq.token_ids])[0, -1]))
+        return [greedy[a]]
+
+    drafter = spec.engine.runner.spec
+    drafter.draft_override = best
+    try:
+        params = [SamplingParams(max_new_tokens=2, temperature=0.5, top_k=10, seed=s, ignore_eos=True) for s in range(300)]
+        acc0, draft0 = spec.engine.stats.spec_num_accepted_tokens, spec.engine.stats.spec_num_draft_tokens
+        got, _ = _run(spec, [prompt] * len(params), params)
+        accepted = spec.engine.stats.spec_num_accepted_tokens - acc0
+        assert 0 < accepted < spec.engine.stats.spec_num_draft_tokens - draft0  # both paths taken
+        again, _ = _run(spec, [prompt] * 20, params[:20])
+        assert [g[0] for g in again] == [g[0] for g in got[:20]]
+    finally:
+        drafter.draft_override = None
+    firsts = sorted({g[0][0] for g in got})
+    logits = spec.score([prompt + [a] for a in firsts])[:, -1].astype(np.float64) / 0.5
+    logits[logits < np.sort(logits, axis=-1)[:, -10:-9]] = -np.inf  # top-k 10
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = dict(zip(firsts, probs / probs.sum(-1, keepdims=True)))
+    expected = sum(probs[g[0][0]] for g in got)
+    observed = np.bincount([g[0][1] for g in got], minlength=V).astype(np.float64)
+    order = np.argsort(-expected)
+    big = order[expected[order] >= 5]
+    obs = np.append(observed[big], observed.sum() - observed[big].sum())
+    exp = np.append(expected[big], expected.sum() - expected[big].sum())
+    keep = exp > 0
+    chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    from scipy.stats import chi2 as chi2_dist
+    pval = float(chi2_dist.sf(chi2, keep.sum() - 1))
+    assert pval > 1e-3, (chi2, keep.sum(), pval)
+
+
+def test_mesh_dbo(ckpt, tmp_path):
+    """dp8-ep8 with DBO on (each verify split in two micro-batches) on 8 host devices, k = 1: the
+    speculative engine gives the non-speculative one's tokens on the same layout (one sequence a rank, short
+    prompts: one bucket of each program)."""
+    rng = np.random.default_rng()
+    layout = tmp_path / "dp8-ep8-dbo.yaml"
+    layout.write_text("data_parallel_size: 8\nexpert_parallel_size: 8\nmoe_backend: a2a\ndbo: 'on'\n")
+    prompts, params = _prompts(rng, 8, 3, 8), _mixed(rng, 8)
+    want, _ = _run(_load(ckpt, parallel=str(layout)), prompts, params)
+    _assert_same(_run(_load(ckpt, 1, parallel=str(layout)), prompts, params)[0], want)
+
+
+def test_async_scheduling_accepted(ckpt):
+    """Async scheduling with speculation is accepted; its decode steps run synchronously, with the
+    reference's tokens."""
+    rng = np.random.default_rng()
+    prompts, params = _prompts(rng, 4), _mixed(rng, 4)
+    one = _load(ckpt, 1, async_scheduling=True)
+    assert not one.engine.async_scheduling
+    _assert_same(_run(one, prompts, params)[0], _run(_load(ckpt), prompts, params)[0])
+
+
+def test_precompile_covers_speculative_programs(ckpt):
+    """After start-up compilation nothing the speculative engine runs traces a program again."""
+    spec = _load(ckpt, 2, max_num_seqs=2, max_model_len=32)
+    spec.engine.precompile(progress=False)
+    counts = dict(spec.engine.runner.trace_counts)
+    rng = np.random.default_rng()
+    prompts = _prompts(rng, 3, 3, 24)
+    _run(spec, prompts + [prompts[0] + [5, 6, 7]], _mixed(rng, 4))
+    assert dict(spec.engine.runner.trace_counts) == counts
+
+
+def test_bad_configs_refused(ckpt):
+    model = parse_model_config(CFG)
+    bad = [({"method": "mtp", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+           ({"method": "mtp", "num_speculative_tokens": 1.5}, "speculative_config.num_speculative_tokens"),
+           ({"method": "mtp", "num_speculative_tokens": 99}, "speculative_config.num_speculative_tokens"),
+           ({"method": "mtp"}, "speculative_config.num_speculative_tokens"),
+           ({"method": "eagle", "num_speculative_tokens": 1}, "speculative_config.method"),
+           ({"method": "mtp", "num_speculative_tokens": 1, "draft_model": "x"}, "speculative_config.draft_model"),
+           ("mtp", "speculative_config must be a dict")]
+    for value, field in bad:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig.create(model, max_model_len=64, speculative_config=value)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers 0"):
+        EngineConfig.create(parse_model_config(preset("v3-tiny")), max_model_len=64,
+                            speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    ok = EngineConfig.create(model, max_model_len=64, speculative_config={"method": "deepseek_mtp",
+                                                                         "num_speculative_tokens": 2})
+    assert (ok.num_speculative_tokens, ok.num_cache_layers) == (2, CFG["num_hidden_layers"] + 1)
