@@ -26,6 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import triton_fp8_dots
+
+triton_fp8_dots.install()  # FP8 dots on Hopper's wgmma (the module says why)
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn
 INV_FP8_MAX = 1.0 / 448.0  # a product, not a division: XLA rewrites x / 448 so, NumPy does not

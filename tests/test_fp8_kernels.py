@@ -465,3 +465,38 @@ def test_bench_fp8_script_smoke():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fused MoE FP8" in out.stdout and "block-scaled GEMM" in out.stdout
     assert "failed" not in out.stdout and out.stdout.count("w8a8") >= 4, out.stdout[-3000:]
+
+
+def test_fp8_dots_lower_with_fast_accumulation():
+    """pallas_kernels/triton_fp8_dots.py: the Triton module the W8A8 kernel lowers to (for CUDA, lowered
+    here without a GPU) carries maxNumImpreciseAcc = 2**30 on its fp8 x fp8 dot (Hopper's wgmma; without
+    it Triton emits mma.sync), and the W8A16 kernel's bf16 dot does not."""
+    import functools
+    import re
+
+    from jax._src.pallas.triton import lowering as ptl
+
+    from pallas_kernels import triton_fp8_dots
+    from pallas_kernels.block_scaled_matmul import block_scaled_matmul
+    assert triton_fp8_dots.install()
+    modules, orig = [], ptl.lower_jaxpr_to_triton_module
+
+    def hook(*args, **kw):
+        res = orig(*args, **kw)
+        modules.append(str(getattr(res, "module", res)))
+        return res
+
+    S = jax.ShapeDtypeStruct
+    args = (S((32, 256), jnp.bfloat16), S((256, 256), jnp.float8_e4m3fn), S((2, 2), jnp.float32))
+    ptl.lower_jaxpr_to_triton_module = hook
+    try:
+        for variant in ("w8a8", "w8a16"):
+            fn = functools.partial(block_scaled_matmul, variant=variant, block_m=16, block_n=128, block_k=128,
+                                   interpret=False)
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        ptl.lower_jaxpr_to_triton_module = orig
+    assert len(modules) == 2, len(modules)
+    w8a8, w8a16 = modules
+    assert re.search(r"tt\.dot .*f8E4M3FN", w8a8) and "maxNumImpreciseAcc = 1073741824" in w8a8
+    assert "bf16" in w8a16 and "maxNumImpreciseAcc = 1073741824" not in w8a16
