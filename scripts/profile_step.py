@@ -43,8 +43,13 @@ import sys
 import tempfile
 import time
 
-import jax
-import numpy as np
+# XLA:GPU runs a step's kernels as CUDA-graph command buffers, which the trace shows as one op
+# ("command_buffer_1": the whole step); the per-op table needs them off (a flag the user set wins).
+if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from moejax.benchmark.decode_setup import build_decode_batch, capture_step_programs, step_floor, weight_kw
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate
