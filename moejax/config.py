@@ -121,7 +121,7 @@ class EngineConfig:
                max_model_len: int | None = None, max_num_seqs: int = 256, block_size: int = 16,
                num_kv_blocks: int | None = None, max_prefill_tokens: int = 8192, kv_cache_dtype: str = "auto",
                kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
-               fp8_variant: str = "w8a16", enable_prefix_caching: bool = True,
+               fp8_variant: str = "auto", enable_prefix_caching: bool = True,
                gpu_memory_utilization: float = 0.9, max_preemptions: int = 16,
                fuse_shared_experts: str = "auto", async_scheduling: bool = False,
                scheduling_policy: str = _policy.DEFAULT, speculative_config=None) -> "EngineConfig":
@@ -131,7 +131,8 @@ class EngineConfig:
         128x128 are re-blocked to 128x128 on load, with a warning giving the measured error), "fp8" also
         quantises a bf16 checkpoint to 128x128 blocks on load, "bf16" dequantises (the model dtype).
         ``fp8_layers``: the layer types that run FP8 when weights are FP8 (moejax/layers/fp8_policy.py;
-        "default" or a comma list). ``fp8_variant``: "w8a16" or "w8a8".
+        "default" or a comma list). ``fp8_variant``: "auto" (W8A8 for expert GEMMs
+        from kernel_selection.W8A8_MIN_ROWS_PER_EXPERT rows an expert on CUDA, W8A16 elsewhere), "w8a16" or "w8a8".
         ``gpu_memory_utilization`` (0, 1]: the share of device memory the cache is sized to fill when
         ``num_kv_blocks`` is None. ``max_preemptions``: how often a sequence may be preempted before
         it is finished with an error. ``scheduling_policy``: "prefill-first", "interleave:N" or

@@ -210,6 +210,26 @@ def _fp8_weight_format(weight_dtype, variant: str) -> tuple[str | None, str]:
     return (None, "w8a8 needs compute capability 8.9+") if variant == "w8a8" else ("e4m3fn_bits", "")
 
 
+# Rows an expert from which the W8A8 fused MoE (FP8 x FP8 dots on wgmma, pallas_kernels/triton_fp8_dots.py)
+# beats W8A16. H100, V3 EP8-rank expert share (32 experts, 7168 -> 2048), benchmarks/2026-12-05c/h100/
+# fp8_probe.txt: 128 rows an expert W8A8 1469 us vs W8A16 1844 us (bf16 kernel 1489 us); 16 rows 844 vs
+# 821 us (a tie: weight reads bound it). 32-64 rows not measured: W8A16 kept there.
+W8A8_MIN_ROWS_PER_EXPERT = 128
+
+
+def fp8_variant(variant: str, rows: int, groups: int, weight_dtype) -> str:
+    """The FP8 scheme a GEMM runs: ``variant`` as given unless "auto"; "auto" is W8A8 for grouped expert
+    GEMMs from W8A8_MIN_ROWS_PER_EXPERT rows an expert on CUDA (where FP8 dots run on the tensor cores),
+    W8A16 otherwise (small batches are weight-read bound; ROCm's fnuz weights take no FP8 dot in
+    Pallas-Triton; dense projections: above 64 rows XLA's dequantise-then-dot beat the W8A8 kernel at
+    3 of 4 V3 shapes on the H100, fp8_probe.txt, so they stay W8A16 / XLA)."""
+    if variant != "auto":
+        return variant
+    if groups <= 1 or platform() != "cuda" or _fp8_weight_format(weight_dtype, "w8a8")[0] is None:
+        return "w8a16"
+    return "w8a8" if rows / groups >= W8A8_MIN_ROWS_PER_EXPERT else "w8a16"
+
+
 def select_moe_fp8(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, weight_dtype,
                    variant: str = "w8a16", mode: str | None = None) -> Choice:
     """Routed-expert MLP with 128x128 block-FP8 weights: Pallas ``fused_moe_fp8`` (params carry

@@ -208,7 +208,7 @@ def tokenizer_source(path: str, load_format: str = "auto") -> str:
 def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max_model_len: int | None = None,
          max_num_seqs: int = 256, block_size: int = 16, num_kv_blocks: int | None = None,
          max_prefill_tokens: int = 8192, progress: bool = True, kv_cache_dtype: str = "auto",
-         kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "w8a16",
+         kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "auto",
          enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
          max_preemptions: int = 16, fuse_shared_experts: str = "auto", async_scheduling: bool = False,
          scheduling_policy: str = "prefill-first", load_format: str = "auto", precompile: bool = False,
@@ -232,7 +232,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     checkpoint stays FP8 on the device, scales beside it), "fp8" (also quantises a bf16 checkpoint
     to 128x128 blocks, like ``vllm --quantization fp8``) or "bf16" (dequantise); ``fp8_layers``
     which layer types run FP8 ("default": experts, shared experts, dense MLPs, attention
-    projections; or a comma list, moejax/layers/fp8_policy.py); ``fp8_variant`` "w8a16" | "w8a8".
+    projections; or a comma list, moejax/layers/fp8_policy.py); ``fp8_variant`` "auto" | "w8a16" | "w8a8"
+    (kernel_selection.fp8_variant).
     ``max_prefill_tokens`` bounds one prefill step (longer prompts are prefilled in chunks);
     ``enable_prefix_caching`` reuses the KV blocks of a prompt's longest cached prefix.
     ``gpu_memory_utilization`` (0, 1]: without ``num_kv_blocks``, the cache fills what is left of this

@@ -254,7 +254,7 @@ def main(argv=None):
     ap.add_argument("--weight-dtype", default="bf16",
                     help="comma list of bf16 / fp8 (128x128 block-scaled weights; one run each, floors from each's "
                          "bytes) / fp8:<layer types joined by +> (only those FP8, e.g. fp8:experts+shared_experts)")
-    ap.add_argument("--fp8-variant", choices=["w8a16", "w8a8"], default="w8a16")
+    ap.add_argument("--fp8-variant", choices=["auto", "w8a16", "w8a8"], default="auto")
     ap.add_argument("--components", action="store_true", help="also time attention and MoE alone at the step's shapes")
     ap.add_argument("--peer", action="store_true", help="also run HF transformers (PyTorch) at the same batch and lengths")
     ap.add_argument("--host-overhead", action="store_true",

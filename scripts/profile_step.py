@@ -709,7 +709,7 @@ def main(argv=None) -> dict:
                     help="how the batch's cache is filled before the steps (bench_decode --fill)")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--weight-dtype", default="bf16", help="bf16 / fp8 / fp8:<layer types joined by +>")
-    ap.add_argument("--fp8-variant", choices=["w8a16", "w8a8"], default="w8a16")
+    ap.add_argument("--fp8-variant", choices=["auto", "w8a16", "w8a8"], default="auto")
     ap.add_argument("--trace-dir", default=None, help="keep the trace here (Perfetto / TensorBoard)")
     ap.add_argument("--top", type=int, default=25, help="rows of the per-op table")
     ap.add_argument("--json", default=None, help="write the tables (every op) and the step's numbers here")

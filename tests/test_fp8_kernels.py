@@ -342,6 +342,29 @@ def test_entry_points_kernel_vs_xla():
 
 
 # ------------------------------------------------------------------ selection
+def test_fp8_variant_auto(monkeypatch):
+    """fp8_variant "auto" (the default): W8A8 for expert GEMMs from W8A8_MIN_ROWS_PER_EXPERT rows an
+    expert on CUDA with e4m3fn weights, W8A16 below it, for dense GEMMs, on ROCm / fnuz weights and on
+    CPU; an explicit variant passes through."""
+    from moejax import kernel_selection as selection
+    from moejax.layers.fp8_policy import Fp8Policy
+    FN, FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
+    n = selection.W8A8_MIN_ROWS_PER_EXPERT
+    assert Fp8Policy.create("default").variant == "auto"
+    assert selection.fp8_variant("auto", 32 * n, 32, FN) == "w8a16"  # CPU
+    monkeypatch.setattr(selection, "platform", lambda: "cuda")
+    assert selection.fp8_variant("auto", 32 * n, 32, FN) == "w8a8"
+    assert selection.fp8_variant("auto", 32 * n - 1, 32, FN) == "w8a16"
+    assert selection.fp8_variant("auto", 4096, 1, FN) == "w8a16"  # dense
+    assert selection.fp8_variant("auto", 32 * n, 32, FNUZ) == "w8a16"
+    for v in ("w8a16", "w8a8"):
+        assert selection.fp8_variant(v, 32, 32, FN) == v
+    monkeypatch.setattr(selection, "platform", lambda: "rocm")
+    assert selection.fp8_variant("auto", 32 * n, 32, FN) == "w8a16"
+    with pytest.raises(ValueError, match="fp8_variant"):
+        Fp8Policy.create("default", variant="w4a4")
+
+
 def test_fp8_selection(monkeypatch):
     from moejax import kernel_selection as selection
     FN, FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz

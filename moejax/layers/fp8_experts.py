@@ -39,7 +39,9 @@ def grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s
                     mode: str | None = None, weight_format: str | None = None):
     """x_sorted [N, H] rows grouped by expert -> [N, H] float32 (rows past sum(group_sizes): zero from
     the kernel; the XLA path leaves ragged_dot's zeros there too) through the selected kernel.
-    ``mode``: the kernel mode ("auto" | "pallas" | "xla"; None = the current ``kernel_mode``)."""
+    ``mode``: the kernel mode ("auto" | "pallas" | "xla"; None = the current ``kernel_mode``);
+    ``variant`` "auto": kernel_selection.fp8_variant picks W8A8 or W8A16 from the rows an expert."""
+    variant = kernel_selection.fp8_variant(variant, x_sorted.shape[0], w_gate.shape[0], w_gate.dtype)
     y = kernel_selection.grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down,
                                          variant, mode, weight_format)
     if y is None:

@@ -60,6 +60,7 @@ def fp8_linear(x, w, scale, variant: str = "w8a16", out_dtype=None, mode: str | 
     does not apply). ``mode``: the kernel mode ("auto" | "pallas" | "xla"; None = the current
     ``kernel_mode``)."""
     lead, K = x.shape[:-1], x.shape[-1]
+    variant = kernel_selection.fp8_variant(variant, x.size // K, 1, w.dtype)  # "auto": W8A16 for dense GEMMs
     y = kernel_selection.fp8_linear(x.reshape(-1, K), w, scale, variant, out_dtype, mode, weight_format)
     if y is None:
         return fp8_linear_xla(x, w, scale, variant, out_dtype, weight_format)

@@ -5,8 +5,9 @@ float32 scale per 128x128 block: HF's ``weight_scale_inv``): "experts" (routed),
 (DeepSeek's shared experts, Step3's share_expert), "dense_mlp" (the dense layers' MLP),
 "attention" (the attention projections, except MLA's kv_b_proj, which the absorbed decode
 folds into the query and the output and therefore keeps in the model dtype, as vLLM and SGLang
-do) and "lm_head". ``variant``: "w8a16" (weights converted in the kernel, bf16 dots) or "w8a8"
-(activations quantised per token per 128 channels, FP8 dots).
+do) and "lm_head". ``variant``: "w8a16" (weights converted in the kernel, bf16 dots), "w8a8"
+(activations quantised per token per 128 channels, FP8 dots) or "auto" (the default: per GEMM, from
+its rows, kernel_selection.fp8_variant).
 """
 
 from __future__ import annotations
@@ -16,21 +17,21 @@ import dataclasses
 FP8_KINDS = ("experts", "shared_experts", "dense_mlp", "attention", "lm_head")
 # Every kind a DeepSeek-V3 FP8 checkpoint stores in FP8 (its lm_head is bf16).
 DEFAULT_FP8_KINDS = ("experts", "shared_experts", "dense_mlp", "attention")
-VARIANTS = ("w8a16", "w8a8")
+VARIANTS = ("auto", "w8a16", "w8a8")  # "auto": kernel_selection.fp8_variant picks per GEMM
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Scheme:
     """How one Linear / expert stack stores and multiplies its FP8 weights."""
     block: tuple[int, int] = (128, 128)
-    variant: str = "w8a16"
+    variant: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Policy:
     kinds: frozenset[str] = frozenset()
     block: tuple[int, int] = (128, 128)
-    variant: str = "w8a16"
+    variant: str = "auto"
 
     def scheme(self, kind: str) -> Fp8Scheme | None:
         """The FP8 scheme of a layer type, or None when it keeps the model dtype."""
@@ -41,7 +42,7 @@ class Fp8Policy:
         return bool(self.kinds)
 
     @classmethod
-    def create(cls, kinds, block=(128, 128), variant: str = "w8a16") -> "Fp8Policy":
+    def create(cls, kinds, block=(128, 128), variant: str = "auto") -> "Fp8Policy":
         """``kinds``: an iterable of FP8_KINDS or a comma-separated string ("default" = DEFAULT_FP8_KINDS)."""
         if isinstance(kinds, str):
             kinds = DEFAULT_FP8_KINDS if kinds == "default" else [k.strip() for k in kinds.split(",") if k.strip()]
