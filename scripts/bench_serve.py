@@ -176,6 +176,27 @@ async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, flo
         return {}
 
 
+def spec_decode_stats(before: dict, after: dict) -> dict:
+    """Speculative decoding over the run, from vLLM's spec_decode counters (empty when the server has none):
+    acceptance rate = accepted / draft tokens; per draft position, accepted / drafts; mean acceptance length
+    = 1 + accepted / drafts (tokens a step gives a sequence)."""
+    name = "vllm:spec_decode_num_draft_tokens_total"
+    if name not in after:
+        return {}
+    d = {k: after.get(f"vllm:spec_decode_num_{k}_total", 0) - before.get(f"vllm:spec_decode_num_{k}_total", 0)
+         for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    per_pos = {}
+    for key, v in after.items():
+        if key.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{"):
+            pos = int(key.split('position="')[1].split('"')[0])
+            per_pos[pos] = v - before.get(key, 0)
+    return {"spec_num_drafts": d["drafts"], "spec_num_draft_tokens": d["draft_tokens"],
+            "spec_num_accepted_tokens": d["accepted_tokens"],
+            "spec_acceptance_rate": d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
+            "spec_acceptance_length": 1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else 1.0,
+            "spec_acceptance_per_pos": [per_pos[p] / d["drafts"] if d["drafts"] else 0.0 for p in sorted(per_pos)]}
+
+
 def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict:
     arr = np.asarray(values_s or [0.0]) * 1000
     d = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
@@ -254,6 +275,7 @@ async def benchmark(a, reqs: list[SampleRequest]) -> dict:
               "server_eplb_balancedness": next((v for k, v in after.items()
                                                 if k.startswith("moejax:eplb_balancedness{") and 'layer="all"' in k),
                                                1.0)})
+    m.update(spec_decode_stats(before, after))
     m.update({"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if chat else "openai",
               "model_id": model, "base_url": base, "endpoint": a.endpoint, "dataset_name": a.dataset_name,
               "num_prompts": len(reqs), "request_rate": a.request_rate if a.request_rate != float("inf") else "inf",
@@ -277,6 +299,11 @@ def print_report(m: dict, a) -> None:
             ("Total Token throughput (tok/s):", f"{m['total_token_throughput']:.2f}"),
             ("Server decode-only throughput (tok/s):", f"{m['server_decode_throughput']:.2f}"),
             ("EP balancedness (mean/max per rank):", f"{m.get('server_eplb_balancedness', 1.0):.3f}")]
+    if "spec_acceptance_rate" in m:  # the server decodes speculatively (vLLM's spec decode summary)
+        rows += [("Spec decode acceptance rate:", f"{m['spec_acceptance_rate']:.3f}"),
+                 ("Spec decode acceptance length:", f"{m['spec_acceptance_length']:.2f}"),
+                 ("Spec decode drafts / draft tokens:", f"{m['spec_num_drafts']:.0f} / {m['spec_num_draft_tokens']:.0f}"),
+                 ("Spec decode per-position acceptance:", " ".join(f"{r:.3f}" for r in m["spec_acceptance_per_pos"]))]
     for k, v in rows:
         if v is not None:  # no concurrency bound (a request rate alone): the row is left out, as vLLM does
             print(f"{k:<40}{v:<10}")

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-layers", default="default",
                     help="layer types that run FP8: default, or a comma list of experts, shared_experts, "
                          "dense_mlp, attention, lm_head")
-    ap.add_argument("--fp8-variant", choices=["w8a16", "w8a8"], default="w8a16")
+    ap.add_argument("--fp8-variant", choices=["auto", "w8a16", "w8a8"], default="auto")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "waits and fits: throughput), interleave:N (at most N prefill steps in a row, then a "
                          "decode step), token-budget:T (at most T prompt tokens between two decode steps); "
                          "docs/serving.md")
+    ap.add_argument("--speculative-config", type=_json_object, default=None,
+                    help="speculative decoding, as vLLM's: '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}' "
+                         "(the checkpoint's MTP layer drafts k tokens a step; docs/serving.md)")
     ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
                     help="compile every program the engine can run (decode, prefill and sampling buckets) before "
                          "/health answers 200, so no request compiles anything (default on)")
@@ -139,6 +142,18 @@ def _scheduling_policy(spec: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _json_object(text: str) -> dict:
+    """--speculative-config's value: a JSON object (its fields are checked by moejax.load)."""
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def build_load_kwargs(a: argparse.Namespace) -> dict:
     """moejax.load's keyword arguments from the parsed command line."""
     return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, block_size=a.block_size,
@@ -147,7 +162,8 @@ def build_load_kwargs(a: argparse.Namespace) -> dict:
                 fp8_layers=a.fp8_layers, fp8_variant=a.fp8_variant, enable_prefix_caching=a.enable_prefix_caching,
                 gpu_memory_utilization=a.gpu_memory_utilization, max_preemptions=a.max_preemptions,
                 async_scheduling=a.async_scheduling, scheduling_policy=a.scheduling_policy,
-                load_format=a.load_format, compilation_cache_dir=a.compilation_cache_dir)
+                load_format=a.load_format, compilation_cache_dir=a.compilation_cache_dir,
+                speculative_config=a.speculative_config)
 
 
 def main(argv=None) -> int:

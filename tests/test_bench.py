@@ -7,6 +7,7 @@ import os
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
@@ -289,3 +290,39 @@ ENTRY %main.2 (p0: f32[8,320]) -> s32[8] {
     assert rows[("decode", "fusion.1")]["flops_per_s"] == pytest.approx(2 * 8 * 64 * 64 / 60e-6)
     assert res["op_s"] == pytest.approx(86e-6) and res["busy_s"] == pytest.approx(86e-6)
     assert res["step_s"] == pytest.approx(200e-6) and sum(r["share"] for r in res["ops"]) == pytest.approx(1.0)
+
+
+def test_bench_spec_decode_runs_on_cpu(tmp_path):
+    """bench_spec_decode.py on the tiny preset (with its MTP layer): a step time for each (batch, k) and the
+    projection sum_{i<=k} a^i x batch / step time (k = 0: batch / step time at every rate)."""
+    import bench_spec_decode
+    out = tmp_path / "spec.json"
+    rows = bench_spec_decode.main(["--preset", "v3-tiny", "--batch", "2", "--k", "0,1", "--input-len", "8",
+                                   "--steps", "2", "--dtype", "float32", "--json", str(out)])
+    assert [(r["batch"], r["k"]) for r in rows] == [(2, 0), (2, 1)]
+    assert json.load(open(out))["rows"] == rows
+    for r in rows:
+        step = r["step_ms"] / 1e3
+        assert step > 0 and r["measured_tok_per_s"] > 0
+        np.testing.assert_allclose(r["projected_tok_per_s"]["0.8"],
+                                   2 * sum(0.8 ** i for i in range(r["k"] + 1)) / step, rtol=1e-9)
+    assert bench_spec_decode.expected_tokens(0.9, 2) == pytest.approx(1 + 0.9 + 0.81)
+
+
+def test_bench_serve_spec_decode_summary():
+    """The acceptance rate bench_serve.py reports from the server's spec_decode counters (before/after the
+    run); nothing when the server reports none."""
+    lab = '{model_name="m",position="%d"}'
+    before = {"vllm:spec_decode_num_drafts_total": 10, "vllm:spec_decode_num_draft_tokens_total": 20,
+              "vllm:spec_decode_num_accepted_tokens_total": 5,
+              "vllm:spec_decode_num_accepted_tokens_per_pos_total" + lab % 0: 4,
+              "vllm:spec_decode_num_accepted_tokens_per_pos_total" + lab % 1: 1}
+    after = {"vllm:spec_decode_num_drafts_total": 110, "vllm:spec_decode_num_draft_tokens_total": 220,
+             "vllm:spec_decode_num_accepted_tokens_total": 145,
+             "vllm:spec_decode_num_accepted_tokens_per_pos_total" + lab % 0: 84,
+             "vllm:spec_decode_num_accepted_tokens_per_pos_total" + lab % 1: 61}
+    s = bench_serve.spec_decode_stats(before, after)
+    assert s["spec_acceptance_rate"] == pytest.approx(140 / 200)
+    assert s["spec_acceptance_length"] == pytest.approx(1 + 140 / 100)
+    assert s["spec_acceptance_per_pos"] == pytest.approx([0.8, 0.6])
+    assert bench_serve.spec_decode_stats({}, {}) == {}

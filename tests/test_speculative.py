@@ -10,6 +10,8 @@ covering every speculative program; bad configurations refused naming the field.
 The checkpoint is v3-tiny with its MTP layer (``num_nextn_predict_layers`` 1), random weights of std 0.1
 (logits spread: greedy near-ties rare) from a fresh seed (the module fixture prints it)."""
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,8 @@ import moejax
 from moejax.config import EngineConfig
 from moejax.engine.sampling_params import SamplingParams
 from moejax.models.registry import parse_model_config
+from moejax.server.async_engine import AsyncEngine
+from moejax.server.metrics import Metrics, parse_metrics
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
@@ -82,7 +86,7 @@ def test_same_tokens_as_reference(ckpt, kv, k):
     and texts. (Stop strings: test_accept_path_with_injected_drafts.)"""
     rng = np.random.default_rng()
     base, spec = _load(ckpt, kv_cache_dtype=kv), _load(ckpt, k, kv_cache_dtype=kv)
-    prompts, params = _prompts(rng, 6), _mixed(rng, 6)
+    prompts, params = _prompts(rng, 4), _mixed(rng, 4)
     want, _ = _run(base, prompts, params)
     _assert_same(_run(spec, prompts, params)[0], want)
     hits = spec.engine.stats.prefix_cache_hits
@@ -95,13 +99,13 @@ def test_same_tokens_as_reference(ckpt, kv, k):
 
 
 def test_accept_path_with_injected_drafts(ckpt):
-    """k = 2 with drafts injected from the reference's own greedy output: always right, every step
+    """k = 2 (FP8 KV cache) with drafts injected from the reference's own greedy output: always right, every step
     accepts both (ceil((n - 1) / 3) steps for n tokens, the first from the prefill) and stop strings and
     max_new_tokens falling inside an accepted run cut it there; always wrong, as many steps as without
     speculation. Tokens, logprobs, finish reasons and texts are the reference's."""
     rng = np.random.default_rng()
     k = 2
-    base, spec = _load(ckpt), _load(ckpt, k)
+    base, spec = _load(ckpt, kv_cache_dtype="fp8"), _load(ckpt, k, kv_cache_dtype="fp8")  # the fp8 case's engines
     prompts = _prompts(rng, 4, 3, 16)  # unchunked: every prompt is prefilled before the first decode step
     lens = [5, 6, 7, 11]  # n - 1 = 4, 5, 6, 11 decode tokens: every offset of a length limit in a run
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=True) for n in lens]
@@ -119,6 +123,9 @@ def test_accept_path_with_injected_drafts(ckpt):
         _assert_same(got, want)
         assert steps == max(-(-(n - 1) // (k + 1)) for n in lens), steps
         assert spec.engine.stats.spec_num_accepted_tokens - acc0 >= sum(lens) - len(lens) - k * len(lens)
+        # Reruns hit the prefix cache, which changes FP8-cached numerics: the reference reruns too.
+        want, base_steps = _run(base, prompts, params)
+        full.update({tuple(p): p + w[0] + [0] * 8 for p, w in zip(prompts, want)})
         text = next(w[3] for w in want if len(w[3]) >= 5)  # a stop string the reference meets mid-output
         stop = [SamplingParams(max_new_tokens=11, ignore_eos=True, stop=[text[3:5]])] * len(prompts)
         want_stop, _ = _run(base, prompts, stop)
@@ -204,11 +211,11 @@ def test_async_scheduling_accepted(ckpt):
 
 def test_precompile_covers_speculative_programs(ckpt):
     """After start-up compilation nothing the speculative engine runs traces a program again."""
-    spec = _load(ckpt, 2, max_num_seqs=2, max_model_len=32)
+    spec = _load(ckpt, 2, max_num_seqs=2, max_model_len=16)
     spec.engine.precompile(progress=False)
     counts = dict(spec.engine.runner.trace_counts)
     rng = np.random.default_rng()
-    prompts = _prompts(rng, 3, 3, 24)
+    prompts = _prompts(rng, 3, 3, 12)
     _run(spec, prompts + [prompts[0] + [5, 6, 7]], _mixed(rng, 4))
     assert dict(spec.engine.runner.trace_counts) == counts
 
@@ -231,3 +238,48 @@ def test_bad_configs_refused(ckpt):
     ok = EngineConfig.create(model, max_model_len=64, speculative_config={"method": "deepseek_mtp",
                                                                          "num_speculative_tokens": 2})
     assert (ok.num_speculative_tokens, ok.num_cache_layers) == (2, CFG["num_hidden_layers"] + 1)
+
+
+def test_streamed_through_server_engine_thread_with_metrics(ckpt):
+    """k = 2, drafts always right (each step gives a sequence up to 3 tokens): AsyncEngine (the server's engine
+    thread) streams every token as its own event, the reference's tokens, logprobs and text; /metrics carries
+    vLLM's spec_decode counters (accepted = what the engine counted, per position too)."""
+    rng = np.random.default_rng()
+    base, spec = _load(ckpt, kv_cache_dtype="fp8"), _load(ckpt, 2, kv_cache_dtype="fp8")
+    prompts = _prompts(rng, 3, 3, 16)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=True) for n in (4, 9, 10)]
+    want, _ = _run(base, prompts, params)
+    full = {tuple(p): p + w[0] + [0] * 8 for p, w in zip(prompts, want)}
+    drafter = spec.engine.runner.spec
+    drafter.draft_override = lambda seq: full[tuple(seq.token_ids[:seq.num_prompt_tokens])][len(seq):len(seq) + 2]
+    metrics = Metrics("t")
+
+    async def go():
+        eng = AsyncEngine(spec.engine, "t", metrics=metrics).start()
+        try:
+            out = []
+            for st in [await eng.add_request(p, sp) for p, sp in zip(prompts, params)]:
+                toks, lps, last = [], [], None
+                while last is None:
+                    ev = await st.get(timeout=60)
+                    assert ev is not None and ev.error is None
+                    toks.append(ev.token_id)
+                    lps.append(ev.logprob)
+                    last = ev if ev.finish_reason is not None else None
+                out.append((toks, lps, last.finish_reason, last.text))
+            return out
+        finally:
+            eng.shutdown()
+    try:
+        got = asyncio.run(go())
+    finally:
+        drafter.draft_override = None
+    _assert_same(got, want)
+    m, st = parse_metrics(metrics.render()), spec.engine.stats
+    assert m["vllm:spec_decode_num_accepted_tokens_total"] == st.spec_num_accepted_tokens > 0
+    assert m["vllm:spec_decode_num_draft_tokens_total"] == st.spec_num_draft_tokens
+    assert m["vllm:spec_decode_num_drafts_total"] == st.spec_num_drafts
+    assert m["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == st.spec_num_accepted_tokens
+    assert m['vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="t",position="1"}'] == \
+        st.spec_accepted_per_pos[1] > 0
+    assert m["vllm:generation_tokens_total"] == sum(len(w[0]) for w in want)

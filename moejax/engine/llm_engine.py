@@ -247,12 +247,12 @@ class LLMEngine:
         st.spec_accepted_per_pos = tuple(int(a + b) for a, b in zip(st.spec_accepted_per_pos, out.accepted_per_pos))
         for seq, toks, lps, tops in zip(seqs, out.tokens, out.logprobs, out.top_logprobs):
             for t, lp, top in zip(toks, lps, tops):
+                # Full blocks of computed tokens become prefix-cache hits, as a decode step per token registers them.
+                self.blocks.cache_computed(seq)
                 self._append(seq, t, lp, top)
                 st.decode_tokens += 1
                 if seq.is_finished:
                     break
-            else:  # blocks now wholly accepted become prefix-cache hits
-                self.blocks.cache_computed(seq)
         return "decode", list(seqs)
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:

@@ -274,17 +274,25 @@ class AsyncEngine:
                     if stream is None:
                         continue
                     p = seq.params
-                    ev = TokenEvent(token_id=seq.token_ids[-1],
-                                    logprob=seq.logprobs[-1] if p.logprobs and seq.logprobs else None,
-                                    top_logprobs=seq.top_logprobs[-1] if p.top_logprobs and seq.top_logprobs
-                                    else None)
-                    stream.num_output += 1
+                    # One token a step, or several with speculative decoding (accepted drafts + one): an event each.
+                    first, new = stream.num_output, max(seq.num_output_tokens - stream.num_output, 1)
+                    events = [TokenEvent(token_id=seq.output_ids[i],
+                                         logprob=seq.logprobs[i] if p.logprobs and len(seq.logprobs) > i else None,
+                                         top_logprobs=seq.top_logprobs[i] if p.top_logprobs and
+                                         len(seq.top_logprobs) > i else None)
+                              for i in range(first, first + new)]
+                    stream.num_output += new
                     if stream.first_token_time is None:
                         stream.first_token_time = now
                         self.metrics.on_first_token(now - stream.arrival, seq.num_prompt_tokens)
+                        if new > 1:
+                            self.metrics.on_token(0.0, new - 1)
                     else:
-                        self.metrics.on_token(now - stream.last_token_time)
+                        self.metrics.on_token(now - stream.last_token_time, new)
                     stream.last_token_time = now
+                    for early in events[:-1]:
+                        out.setdefault(stream.loop, []).append((stream, early))
+                    ev = events[-1]
                     if seq.is_finished:
                         ev.finish_reason, ev.text = seq.finish_reason, seq.text
                         del self._streams[seq.seq_id]

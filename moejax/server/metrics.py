@@ -78,6 +78,18 @@ class _EngineCollector:
             yield gauge("moejax:decode_throughput_tokens_per_second",
                         "decode_tokens_total / decode_time_seconds_total (decode-only throughput).",
                         stat("decode_throughput", 0.0))
+            per_pos = stat("spec_accepted_per_pos", ())
+            if per_pos:  # speculative decoding on: vLLM's spec_decode counters
+                yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stat("spec_num_drafts"))
+                yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                              stat("spec_num_draft_tokens"))
+                yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                              stat("spec_num_accepted_tokens"))
+                pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=["model_name", "position"])
+                for i, v in enumerate(per_pos):
+                    pos.add_metric([m.model_name, str(i)], v)
+                yield pos
             yield counter("moejax:mixed_steps", "Steps that mixed prefill and decode (always 0).", m.steps_mixed)
             built, hits = compilation.COUNTER.snapshot()
             yield counter("moejax:xla_programs_built", "XLA programs built in this process (compiled, or loaded "
@@ -165,9 +177,10 @@ class Metrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc()
 
-    def on_token(self, itl: float) -> None:
+    def on_token(self, itl: float, n: int = 1) -> None:
+        """A step gave a request n tokens (n > 1: speculative decoding), itl after its previous step."""
         self.itl.observe(itl)
-        self.generation_tokens.inc()
+        self.generation_tokens.inc(n)
 
     def on_finish(self, reason: str, e2e: float, ttft: float | None, num_output: int) -> None:
         if reason == "abort":
