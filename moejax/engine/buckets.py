@@ -16,6 +16,9 @@ big program is a whole-model compile:
   power of two, 16 at least), the number of chunks to B = 1 or ``wide_batch(S)`` (as many chunks as
   ``max_prefill_tokens`` holds at S, at most ``max_prefill_seqs``); the block-table width is the
   longest (the kernel walks only the live context).
+- speculative decoding (engine/speculative.py): the verify takes each decode shape (B, W) with k+1 rows
+  a sequence (B x (k+1) rows, the sampler likewise), the draft programs each decode shape and each
+  prefill batch B; the decode program and its feed are not built (every decode step is a verify).
 - sampling runs in its own small program per (batch rows, SampleMode), apart from the model step.
 
 A batch that fits no bucket (more prompts than ``max_prefill_seqs``, more chunks than B rows) is
