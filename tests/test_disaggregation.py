@@ -213,3 +213,70 @@ def test_prefill_process_to_decode_engine_and_failed_pull_requeued(worker, engin
 def _params_json(sp: SamplingParams) -> dict:
     return {k: getattr(sp, k) for k in sp.__dataclass_fields__}
 
+
+
+# ----- speculative decoding (MTP) on the decode side (issue 32) -------------------------------------------
+SPEC_KW = {"dtype": "float32", "max_model_len": 96, "max_num_seqs": 4, "max_prefill_tokens": 64, "progress": False}
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def mtp_engines(tmp_path_factory):
+    """v3-tiny with its MTP layer: R, the non-speculative colocated reference (block 16, no prefix cache; also a
+    prefill side without speculation and a decode side without it); A, a speculative prefill side (k 2,
+    block 16); B, a speculative decode side (k 2, block 8, prefix cache on)."""
+    path = make_random_checkpoint(str(tmp_path_factory.mktemp("mtp")), preset("v3-tiny", num_nextn_predict_layers=1),
+                                  seed=13, std=0.1)
+    r = moejax.load(path, block_size=16, enable_prefix_caching=False, **SPEC_KW).engine
+    a = moejax.load(path, block_size=16, speculative_config=MTP, **SPEC_KW).engine
+    b = moejax.load(path, block_size=8, speculative_config=MTP, **SPEC_KW).engine
+    return r, a, b
+
+
+def test_speculative_decode_side(mtp_engines):
+    """Prefilled by a speculative engine, decoded by one (its MTP rows and first drafts carried through the
+    metadata round trip; one request's drafts dropped: its first step verifies none) and by a non-speculative
+    one (MTP rows dropped): the non-speculative colocated engine's tokens, greedy and seeded. A prefill side
+    without speculation is refused by the speculative decode side (ValueError naming speculative_config),
+    before any of its blocks is taken."""
+    r, a, b = mtp_engines
+    rng = np.random.default_rng(5)
+    prompts, params = _requests(rng, 4)
+    prompts = [p[:24] for p in prompts]
+    want = _colocated(r, prompts, params)
+
+    def via(dec, drop_drafts=()):
+        seqs = [a.add_request(p, sp) for p, sp in zip(prompts, params)]
+        moved = {}
+        while len(moved) < len(seqs):
+            _, stepped = a.step()
+            for s in stepped:
+                if s.is_finished:
+                    moved[s.seq_id] = s
+                    continue
+                req = take_prefilled(a, s)
+                assert len(req.drafts) == 2
+                req = PrefilledRequest.from_meta(json.loads(json.dumps(req.meta())), req.rows)
+                if len(moved) in drop_drafts:
+                    req.drafts = []
+                moved[s.seq_id] = add_prefilled(dec, req)
+        out = [moved[s.seq_id] for s in seqs]
+        while any(not s.is_finished for s in out):
+            dec.step()
+        assert dec.blocks.num_free == dec.blocks.num_blocks
+        return [_result(s) for s in out]
+
+    drafts0 = b.stats.spec_num_draft_tokens
+    _assert_same(via(b, drop_drafts=(1,)), want, exact_logprobs=False)
+    assert b.stats.spec_num_draft_tokens > drafts0
+    _assert_same(via(r), want, exact_logprobs=False)
+
+    s = r.add_request(prompts[0], params[0])
+    while s.num_output_tokens < 1:
+        r.step()
+    req = take_prefilled(r, s)
+    assert req.drafts == [] and req.rows.shape[0] == 3  # v3-tiny's 3 decoder layers, no MTP rows
+    free = b.blocks.num_free
+    with pytest.raises(ValueError, match="speculative_config"):
+        add_prefilled(b, req)
+    assert b.blocks.num_free == free and not b.scheduler.running

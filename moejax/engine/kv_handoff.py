@@ -15,6 +15,22 @@ shared, and only the rows after it are written.
 
 Both engines must store rows alike: the same row width and kind (FP8 rows carry their scale byte,
 layers/kv_quant.py); a bf16 cache held in float32 on CPU takes bf16 rows (the values are bf16).
+
+Speculative decoding (engine/speculative.py): an engine with ``speculative_config`` has one more cache
+layer, the MTP layer's (index num_hidden_layers), whose rows of a prompt only its own prefill writes;
+``export_rows`` moves every cache layer, so a speculative prefill side's rows include them, and the
+first drafts it made after the prefill (host ints) travel as ``PrefilledRequest.drafts``. The rule:
+
+- prefill with speculation -> decode with speculation: the MTP rows and drafts are used (any k: drafts
+  are cut to the decode side's k, fewer are verified as fewer; none: the first step verifies no draft);
+- prefill with speculation -> decode without: the MTP rows are dropped (the decoder layers' rows and
+  the first token are the non-speculative prefill's);
+- prefill without speculation -> decode with speculation: refused (ValueError naming
+  speculative_config, in ``check_fits``, before any block is taken): the decode side's MTP layer would
+  attend to rows nobody wrote.
+
+Outputs are the non-speculative engine's in every allowed case (speculation changes the steps, never
+the tokens: engine/speculative.py).
 """
 
 from __future__ import annotations
@@ -40,6 +56,8 @@ class PrefilledRequest:
     top_logprobs: list
     num_rows: int  # tokens whose latents ``rows`` holds: positions 0 .. num_rows - 1
     rows: jax.Array | None  # [layers, P >= num_rows, row_dim] (ModelRunner.export_rows); None in metadata
+    # A speculative prefill side's first drafts (after_prefill), host ints; empty without speculation.
+    drafts: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:
@@ -62,7 +80,7 @@ class PrefilledRequest:
             req = cls([int(t) for t in d["token_ids"]], int(d["num_prompt_tokens"]), params, int(d["seed"]),
                       d.get("request_id"), [float(x) for x in d["logprobs"]],
                       [None if t is None else [(int(i), float(lp)) for i, lp in t] for t in d["top_logprobs"]],
-                      int(d["num_rows"]), rows)
+                      int(d["num_rows"]), rows, [int(t) for t in d.get("drafts") or []])
         except KeyError as e:
             raise ValueError(f"prefilled request metadata lacks the field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -86,8 +104,10 @@ def take_prefilled(engine, seq: Sequence) -> PrefilledRequest:
     runner = engine.runner
     rows = runner.export_rows(runner.slots(seq.block_table, np.arange(n)), seq.dp_rank)
     rows.block_until_ready()  # read before the freed blocks can be written again by a later step
+    drafts = runner.spec.drafts.get(seq) if runner.spec is not None else None
     req = PrefilledRequest(list(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.seed, seq.request_id,
-                           list(seq.logprobs), list(seq.top_logprobs), n, rows)
+                           list(seq.logprobs), list(seq.top_logprobs), n, rows,
+                           [] if drafts is None else [int(t) for t in drafts])
     seq.finish_reason = "handoff"
     engine.scheduler.finish(seq)  # blocks freed; its full blocks stay prefix-cache hits
     return req
@@ -111,10 +131,30 @@ def check_fits(engine, req: PrefilledRequest) -> None:
         raise ValueError(f"the request has {len(req.token_ids)} tokens; max_model_len is {engine.max_model_len}")
     if engine.blocks.blocks_needed(len(req.token_ids) + 1) > engine.blocks.blocks_per_rank:
         raise ValueError(f"the request has {len(req.token_ids)} tokens, more than the KV cache can hold")
+    if req.rows.ndim != 3:
+        raise ValueError(f"rows of shape {tuple(req.rows.shape)}: [layers, rows, row_dim] expected")
+    layers, want = req.rows.shape[0], runner.cache.shape[1]
+    decoder = engine.config.model.num_hidden_layers
+    with_mtp = getattr(engine.config.model, "num_cache_layers", decoder)  # a speculative prefill side's layers
+    if layers < want and layers == decoder:
+        raise ValueError(f"this engine decodes with speculative_config {_spec(engine)} and needs the MTP layer's "
+                         f"cache rows, which the prefill side did not write ({layers} cache layers, {want} "
+                         "expected): run the prefill side with speculative_config too, or this side without it")
+    if layers != want and not (want == decoder and layers == with_mtp):
+        raise ValueError(f"rows of {layers} cache layers do not fit this engine's cache of {want} layers "
+                         "(another model?)")
+    if req.rows.shape[1] < req.num_rows:
+        raise ValueError(f"{req.rows.shape[1]} rows for {req.num_rows} tokens")
     fp8 = runner.row_dtype == jax.numpy.float8_e4m3fn
     if (req.rows.dtype == jax.numpy.float8_e4m3fn) != fp8 or req.rows.shape[-1] != runner.row_dim:
         raise ValueError(f"rows of dtype {req.rows.dtype} x {req.rows.shape[-1]} do not fit this engine's cache "
                          f"({runner.row_dtype} x {runner.row_dim}): both sides need the same kv_cache_dtype")
+
+
+def _spec(engine) -> str:
+    spec = engine.config.speculative
+    return "None" if spec is None else (f'{{"method": "{spec.method}", '
+                                        f'"num_speculative_tokens": {spec.num_speculative_tokens}}}')
 
 
 def add_prefilled(engine, req: PrefilledRequest) -> Sequence:
@@ -135,8 +175,21 @@ def add_prefilled(engine, req: PrefilledRequest) -> Sequence:
     if hit < req.num_rows:
         slots = runner.slots(seq.block_table, np.arange(req.num_rows))
         slots[:hit] = runner.num_slots  # the cached prefix's rows are there already: dropped, not rewritten
-        runner.import_rows(slots, req.rows, seq.dp_rank)
+        rows = req.rows
+        if rows.shape[0] > runner.cache.shape[1]:  # a speculative prefill side's MTP rows: not used here
+            rows = rows[:runner.cache.shape[1]]
+        try:
+            runner.import_rows(slots, rows, seq.dp_rank)
+        except Exception:
+            engine.blocks.deallocate(seq)  # nothing of it is left behind
+            raise
     seq.num_cached_tokens = req.num_rows
+    if runner.spec is not None and req.drafts:
+        # The prefill side's first drafts (the decode step caps them to its k and the sequence's blocks).
+        # Without them the first step verifies no draft: the non-speculative step.
+        d = np.asarray(req.drafts[:runner.spec.k], np.int32)
+        if ((d >= 0) & (d < runner.cfg.vocab_size)).all():
+            runner.spec.drafts[seq] = d
     seq.status = Status.RUNNING
     sch.running.append(seq)
     engine.blocks.cache_computed(seq)  # its full prompt blocks become prefix-cache hits here too
