@@ -270,6 +270,9 @@ def worker_argv(a: argparse.Namespace, role: str, port: int) -> list[str]:
                     ("--compilation-cache-dir", a.compilation_cache_dir)):
         if v is not None:
             argv += [flag, str(v)]
+    if a.speculative_config is not None:  # both roles: a speculative decode side needs the MTP layer's rows
+        import json
+        argv += ["--speculative-config", json.dumps(a.speculative_config)]
     if role == "decode" and a.inject_kv_transfer_failures:
         argv += ["--inject-kv-transfer-failures", str(a.inject_kv_transfer_failures)]
     return argv
@@ -325,7 +328,27 @@ def start_workers(a: argparse.Namespace):
                     stop_workers(handles["prefill"] + handles["decode"])
                     raise SystemExit(f"{w.name} did not answer within --worker-start-timeout") from None
                 time.sleep(0.5)
+    try:
+        check_speculative(infos[:len(handles["prefill"])], infos[len(handles["prefill"]):])
+    except ValueError as e:
+        stop_workers(handles["prefill"] + handles["decode"])
+        raise SystemExit(str(e)) from None
     return handles["prefill"], handles["decode"], min(i["max_model_len"] for i in infos), infos[0]["vocab_size"]
+
+
+def check_speculative(prefill_infos: list[dict], decode_infos: list[dict]) -> None:
+    """ValueError naming speculative_config when a decode worker speculates (its cache has the MTP layer's)
+    and a prefill worker does not write the MTP layer's rows (engine/kv_handoff.py's rule; a worker that
+    does not report num_cache_layers is not checked here: its handoffs are, by the decode worker)."""
+    for d in decode_infos:
+        if not d.get("speculative_config"):
+            continue
+        for p in prefill_infos:
+            if p.get("num_cache_layers") is not None and p["num_cache_layers"] < d.get("num_cache_layers", 0):
+                raise ValueError(f"the decode workers run with speculative_config {d['speculative_config']} and need "
+                                 "the MTP layer's cache rows, which a prefill worker without speculative_config "
+                                 f"does not write (speculative_config {p.get('speculative_config')}): give the "
+                                 "prefill workers the same --speculative-config")
 
 
 def stop_workers(workers, timeout: float = 30.0) -> None:

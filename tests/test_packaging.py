@@ -283,6 +283,24 @@ def test_serve_forwards_load_options():
             ap.parse_args(bad)
 
 
+def test_serve_disaggregated_speculative_config():
+    """--disaggregated passes --speculative-config to both roles' workers; start-up refuses a speculative
+    decode worker beside a prefill worker without speculation (no MTP-layer rows: kv_handoff.py's rule)."""
+    serve = _serve_module()
+    ap = serve.build_parser()
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    a = ap.parse_args(["--disaggregated", "--speculative-config", json.dumps(mtp)])
+    for role in ("prefill", "decode"):
+        assert ap.parse_args(serve.worker_argv(a, role, 1234)).speculative_config == mtp
+    assert "--speculative-config" not in serve.worker_argv(ap.parse_args(["--disaggregated"]), "decode", 1234)
+    spec, plain = {"speculative_config": mtp, "num_cache_layers": 62}, {"speculative_config": None, "num_cache_layers": 61}
+    serve.check_speculative([spec], [spec])
+    serve.check_speculative([spec], [plain])  # the decode side drops the MTP rows
+    serve.check_speculative([plain], [plain])
+    with pytest.raises(ValueError, match="speculative_config"):
+        serve.check_speculative([spec, plain], [spec])
+
+
 def test_serve_shutdown_timeout_default():
     """scripts/serve.py's --shutdown-timeout defaults to the lifecycle's drain default (whose exit fits
     Kubernetes' 30 s grace: tests/test_server_faults.py)."""

@@ -2,7 +2,9 @@
 /metrics) plus the internal routes its router (router.py) calls.
 
   GET  /internal/info     role, max_model_len, vocab size, the transfer server's address, KV cache
-                          capacity in tokens (the router's measure of a decode worker's room)
+                          capacity in tokens (the router's measure of a decode worker's room), its
+                          speculative_config and cache layers (serve.py refuses a speculative decode
+                          worker beside a prefill worker without it: engine/kv_handoff.py's rule)
   GET  /internal/load     requests in flight, free KV blocks (for operators: the router balances on
                           its own counts, no round trip per request)
   POST /internal/prefill  (prefill role) {"prompt_ids", "params"} -> the first token's event and, unless
@@ -97,10 +99,13 @@ def add_worker_routes(app: web.Application, cfg: WorkerConfig, xfer: KVTransfer,
     async def info(request):
         if not request.app[ENGINE_KEY].ready.is_set():  # the router waits for this answer: not before the compiles
             return web.json_response({"error": "starting"}, status=503)
-        blocks = request.app[ENGINE_KEY].engine.blocks
+        eng = request.app[ENGINE_KEY].engine
+        blocks, spec = eng.blocks, eng.config.speculative
         return web.json_response({"role": cfg.role, "max_model_len": max_model_len, "vocab_size": vocab_size,
                                   "transfer_address": xfer.address,
-                                  "kv_tokens": blocks.num_blocks * blocks.block_size})
+                                  "kv_tokens": blocks.num_blocks * blocks.block_size,
+                                  "speculative_config": None if spec is None else dataclasses.asdict(spec),
+                                  "num_cache_layers": int(eng.runner.cache.shape[1])})
 
     async def load(request):
         aengine = request.app[ENGINE_KEY]
