@@ -257,9 +257,12 @@ def test_speculative_decode_side(mtp_engines):
                 req = take_prefilled(a, s)
                 assert len(req.drafts) == 2
                 req = PrefilledRequest.from_meta(json.loads(json.dumps(req.meta())), req.rows)
-                if len(moved) in drop_drafts:
+                dropped = len(moved) in drop_drafts
+                if dropped:
                     req.drafts = []
                 moved[s.seq_id] = add_prefilled(dec, req)
+                if dec.runner.spec is not None:  # the first step verifies the prefill side's drafts
+                    assert len(dec.runner.spec.drafts.get(moved[s.seq_id], ())) == (0 if dropped else 2)
         out = [moved[s.seq_id] for s in seqs]
         while any(not s.is_finished for s in out):
             dec.step()
