@@ -22,13 +22,19 @@ from __future__ import annotations
 import os
 import warnings
 
+try:  # jax's Pallas-Triton lowering: private, its layout may change between releases
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering
+except ImportError as e:  # pragma: no cover
+    ir = lowering = None
+    _import_error = e
+
 FAST_ACC = 1 << 30  # Triton's sm_90 default for FP8 dots
 ENV = "MOEJAX_FP8_FAST_ACC"
 _installed: bool | None = None
 
 
 def _is_fp8(value) -> bool:
-    from jax._src.lib.mlir import ir
     try:
         return str(ir.RankedTensorType(value.type).element_type).lower().startswith("f8")
     except Exception:  # not a ranked tensor: leave the dot as it is
@@ -44,7 +50,8 @@ def install() -> bool:
         _installed = False
         return False
     try:
-        from jax._src.pallas.triton import lowering
+        if lowering is None:
+            raise _import_error
         dialect = lowering.tt_dialect
         orig = dialect.dot
     except (ImportError, AttributeError) as e:  # pragma: no cover - another jax layout
