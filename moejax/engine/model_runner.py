@@ -305,9 +305,13 @@ class ModelRunner:
         export/import of disaggregation per rows bucket), so no
         request compiles anything; with JAX's persistent cache (moejax/compilation.py) a restart loads
         them instead. Tracing runs here, XLA's compiles in ``threads`` threads (default: the CPU count,
-        at most 8; $MOEJAX_COMPILE_THREADS). Returns {"programs", "seconds"}; logs one line a program."""
+        at most 8, on a GPU; inline on CPU; $MOEJAX_COMPILE_THREADS). Returns {"programs", "seconds"}; logs one line a program."""
         t0 = time.perf_counter()
-        threads = threads or int(os.environ.get("MOEJAX_COMPILE_THREADS") or min(8, os.cpu_count() or 1))
+        # XLA:CPU's compiles are short and a CPU process has other work: compile inline there (a compile
+        # thread reading the persistent cache beside the main thread's tracing segfaulted once in the
+        # suite under jax 0.10.2); GPUs take a pool.
+        cpu = jax.default_backend() == "cpu"
+        threads = threads or int(os.environ.get("MOEJAX_COMPILE_THREADS") or (1 if cpu else min(8, os.cpu_count() or 1)))
         steps = self._step_lowerings()
         modes = SampleMode.all()
         n_sample = len({b for _, b, _ in steps}) * len(modes)
@@ -329,7 +333,9 @@ class ModelRunner:
             return compiled
 
         with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="moejax-compile") as pool:
-            def run(items):  # [(label, thunk)] traced here, compiled in the pool
+            def run(items):  # [(label, thunk)] traced here, compiled in the pool (inline with one thread)
+                if threads <= 1:
+                    return [compile_one(label, thunk()) for label, thunk in items]
                 futs = [pool.submit(compile_one, label, thunk()) for label, thunk in items]
                 return [f.result() for f in futs]
 
