@@ -1,8 +1,9 @@
 """XLA compilation: JAX's persistent compilation cache (on by default) and a count of the compiles.
 
 The cache directory: an explicit argument, else ``$MOEJAX_COMPILATION_CACHE_DIR``, else the one
-JAX was given (``JAX_COMPILATION_CACHE_DIR``), else ``$XDG_CACHE_HOME/moejax/jax`` (``~/.cache/moejax/jax``). The value ``off`` (or an empty string)
-disables it. A restart of the same configuration then loads its programs from the cache instead
+JAX was given (``JAX_COMPILATION_CACHE_DIR``), else, on a GPU, ``$XDG_CACHE_HOME/moejax/jax``
+(``~/.cache/moejax/jax``); on CPU the default is off (see ``resolve_cache_dir``). The value ``off`` (or an
+empty string) disables it. A restart of the same configuration then loads its programs from the cache instead
 of compiling them (the engine still traces and lowers each program to find its cache key).
 
 ``COUNTER`` counts, for the whole process, every program XLA built (``/jax/core/compile/backend_compile_duration``,
@@ -37,7 +38,12 @@ def resolve_cache_dir(path: str | None = None) -> str | None:
     if path is None:
         path = os.environ.get(ENV_VAR)
     if path is None:  # a cache JAX was already given (JAX_COMPILATION_CACHE_DIR) is kept
-        path = jax.config.jax_compilation_cache_dir or default_cache_dir()
+        path = jax.config.jax_compilation_cache_dir
+    if path is None:
+        # The default is for GPUs, where a program takes seconds to minutes to compile. XLA:CPU's
+        # executable deserialization is fragile (jax issues 28908 and 38445; our suite segfaulted twice
+        # loading entries another process had written) and CPU programs compile fast: off there unless asked.
+        path = "off" if jax.default_backend() == "cpu" else default_cache_dir()
     return None if path.strip().lower() in OFF else os.path.abspath(os.path.expanduser(path))
 
 

@@ -250,7 +250,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     ``precompile``: compile every program the engine can run for this configuration now (the decode,
     prefill and sampling buckets: moejax/engine/buckets.py) instead of on first use, so no later call
     compiles (the server always does). ``compilation_cache_dir``: JAX's persistent compilation cache,
-    on by default (``$MOEJAX_COMPILATION_CACHE_DIR``, else ``~/.cache/moejax/jax``; "off" disables it:
+    on by default (``$MOEJAX_COMPILATION_CACHE_DIR``, else ``~/.cache/moejax/jax`` on a GPU, off on CPU; "off" disables it:
     moejax/compilation.py), so a second run of the same configuration loads its programs.
     Every argument is checked by ``EngineConfig.create`` (moejax/config.py).
     """

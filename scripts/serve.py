@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "/health answers 200, so no request compiles anything (default on)")
     ap.add_argument("--compilation-cache-dir", default=None,
                     help="JAX's persistent compilation cache, so a restart loads its programs (default: "
-                         "$MOEJAX_COMPILATION_CACHE_DIR, else ~/.cache/moejax/jax; 'off' disables it)")
+                         "$MOEJAX_COMPILATION_CACHE_DIR, else ~/.cache/moejax/jax on a GPU (off on CPU); 'off' disables it)")
     ap.add_argument("--shutdown-timeout", type=float, default=20.0,
                     help="seconds SIGTERM/SIGINT lets requests in flight finish before aborting them (exit 0); "
                          "the default (lifecycle.DEFAULT_SHUTDOWN_TIMEOUT_S) exits within 25 s, inside "

@@ -5,13 +5,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM at -O0: the tiny models' programs compile about 30% faster and run long enough anyway; the
 # HLO and its fusions are XLA's usual ones, so what the tests compare is unchanged.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
-# One persistent XLA compilation cache for the session (and the scripts tests start as subprocesses,
-# which inherit it): many tests compile the same tiny models' programs, which are then built once.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moejax-test-xla-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# One persistent XLA compilation cache per test process, not shared (many tests compile the same tiny
+# models' programs, which are then built once): set in JAX's config, not the environment, so the
+# scripts tests start as subprocesses do not read entries this process writes (loading another process's
+# XLA:CPU entries segfaulted twice in the suite under jax 0.10.2; moejax/compilation.py).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="moejax-test-xla-cache-"))
 
 import random  # noqa: E402
 import secrets  # noqa: E402

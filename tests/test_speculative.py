@@ -12,6 +12,7 @@ The checkpoint is v3-tiny with its MTP layer (``num_nextn_predict_layers`` 1), r
 
 import asyncio
 
+import jax
 import numpy as np
 import pytest
 
@@ -283,3 +284,19 @@ def test_streamed_through_server_engine_thread_with_metrics(ckpt):
     assert m['vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="t",position="1"}'] == \
         st.spec_accepted_per_pos[1] > 0
     assert m["vllm:generation_tokens_total"] == sum(len(w[0]) for w in want)
+
+
+def test_fp8_weights_same_tokens(tmp_path):
+    """A block-FP8 checkpoint (its MTP layer FP8 like the rest, weight_dtype "auto"): speculation (k = 1)
+    gives the non-speculative engine's greedy and seeded tokens on the same FP8 weights."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"checkpoint seed {seed}")
+    path = make_random_checkpoint(str(tmp_path), CFG, seed=seed, std=0.1, fp8=True)
+    rng = np.random.default_rng(seed)
+    base, spec = _load(path), _load(path, 1)
+    assert any(str(x.dtype) == "float8_e4m3fn" for x in jax.tree.leaves(spec.engine.runner.params))
+    prompts, params = _prompts(rng, 4), _mixed(rng, 4)
+    want, _ = _run(base, prompts, params)
+    got, _ = _run(spec, prompts, params)
+    _assert_same(got, want)
+    assert spec.engine.stats.spec_num_drafts > 0
