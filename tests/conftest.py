@@ -55,6 +55,22 @@ def random_seed(request):
     return seed
 
 
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs(request):
+    """After each test module: drop its module-level model caches (``_MODELS``), JAX's compiled programs and
+    the garbage. An XLA:CPU executable holds memory mappings; a worker that kept every module's programs
+    passed 33k of the kernel's 65,530 (vm.max_map_count) and segfaulted in LLVM mapping the next one."""
+    yield
+    models = getattr(request.module, "_MODELS", None)
+    if isinstance(models, dict):
+        models.clear()
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
