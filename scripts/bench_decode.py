@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.benchmark.decode_setup import (  # noqa: F401  (also this script's names: tests and callers use them)
-    build_decode_batch, capture_decode_args, fill_without_prefill, step_floor, weight_kw)
+    bench_hf_config, build_decode_batch, capture_decode_args, fill_without_prefill, step_floor, weight_kw)
 from moejax.benchmark.ep import time_dispatch
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call
 from moejax.kernel_selection import kernel_mode
@@ -51,7 +51,6 @@ from moejax.config import EngineConfig
 from moejax.models.registry import family_of, parse_model_config
 from moejax.parallel.config import ParallelConfig
 from moejax.parallel.sharding import make_mesh
-from moejax.tiny.presets import preset, with_layers
 from moejax.tiny.transformers_checkpoint import hf_classes
 
 
@@ -288,12 +287,7 @@ def _bench(a, argv):
     for k in kernel_modes:
         if k not in ("auto", "pallas", "xla"):
             raise SystemExit(f"--kernels: {k!r} is not one of auto, pallas, xla")
-    hf = preset(a.preset)
-    if a.layers:
-        hf = with_layers(hf, a.layers)
-    for kv in a.set:
-        k, v = kv.split("=", 1)
-        hf[k] = json.loads(v)
+    hf = bench_hf_config(a.preset, a.layers, a.set)
     cfg = parse_model_config(hf)
     if a.peer_only:  # child process: no JAX device use at all
         tps = run_peer(hf, a)

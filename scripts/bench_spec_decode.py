@@ -26,11 +26,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moejax.benchmark.decode_setup import fill_without_prefill  # noqa: E402
+from moejax.benchmark.decode_setup import bench_hf_config, fill_without_prefill  # noqa: E402
 from moejax.config import EngineConfig  # noqa: E402
 from moejax.engine.sampling_params import SamplingParams  # noqa: E402
 from moejax.models.registry import parse_model_config  # noqa: E402
-from moejax.tiny.presets import preset, with_layers  # noqa: E402
 from moejax.tiny.random_model import random_model  # noqa: E402
 from moejax.weights.random_params import random_device_params  # noqa: E402
 
@@ -92,9 +91,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     a.acceptance = [float(x) for x in a.acceptance.split(",")]
     batches, ks = [int(x) for x in a.batch.split(",")], [int(x) for x in a.k.split(",")]
-    hf = dict(preset(a.preset), num_nextn_predict_layers=1)
-    if a.layers:
-        hf = with_layers(hf, a.layers)
+    hf = bench_hf_config(a.preset, a.layers, num_nextn_predict_layers=1)
     cfg = parse_model_config(hf)
     params = random_device_params(cfg, a.dtype, fp8=EngineConfig.create(cfg, max_model_len=64).fp8)
     print(f"device: {jax.devices()[0].device_kind}; {a.preset} with {cfg.num_hidden_layers} layers + MTP, "

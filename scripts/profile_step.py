@@ -51,11 +51,11 @@ if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from moejax.benchmark.decode_setup import build_decode_batch, capture_step_programs, step_floor, weight_kw
+from moejax.benchmark.decode_setup import (bench_hf_config, build_decode_batch, capture_step_programs, step_floor,
+                                            weight_kw)
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate
 from moejax.config import EngineConfig
 from moejax.models.registry import parse_model_config
-from moejax.tiny.presets import preset, with_layers
 
 # Categories, in the order the summary lists them.
 CATEGORIES = ("attention", "moe/experts", "dense matmul", "lm_head", "sampling/sort", "norm/rope/elementwise",
@@ -621,12 +621,7 @@ def compile_programs(calls) -> list[Program]:
 def profile(a) -> dict:
     if a.kernels not in ("auto", "pallas", "xla"):
         raise SystemExit(f"--kernels: {a.kernels!r} is not one of auto, pallas, xla")
-    hf = preset(a.preset)
-    if a.layers:
-        hf = with_layers(hf, a.layers)
-    for kv in a.set:
-        k, v = kv.split("=", 1)
-        hf[k] = json.loads(v)
+    hf = bench_hf_config(a.preset, a.layers, a.set)
     cfg = parse_model_config(hf)
     a.output_len = a.warmup + a.steps + 8  # the batch stays full through every step
     t0 = time.perf_counter()

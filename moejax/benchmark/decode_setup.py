@@ -6,6 +6,7 @@ calls (scripts/bench_decode.py times them, scripts/profile_step.py profiles them
 from __future__ import annotations
 
 import gc
+import json
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from moejax.layers.fp8_policy import NO_FP8
 from moejax.layers.kv_quant import is_fp8_cache, quantize_rows
 from moejax.models.registry import abstract_params, parse_model_config
 from moejax.parallel.config import ParallelConfig
+from moejax.tiny.presets import preset, with_layers
 from moejax.tiny.random_model import random_device_params, random_model
 from moejax.weights.param_tree import flatten, is_stacked_expert
 
@@ -26,6 +28,18 @@ _PARAMS: dict = {}  # weights generated once per process, shared by the runs
 # The engine's jitted programs one decode step may call (ModelRunner attributes): the step, the
 # sampler over its logits, and the on-device gather of the previous step's tokens (async scheduling).
 STEP_PROGRAMS = {"decode": "_decode", "sample": "_sample", "feed": "_feed"}
+
+
+def bench_hf_config(name: str, layers: int | None = None, sets=(), **fields) -> dict:
+    """The HF config a benchmark runs: the named preset with ``fields``, its layer count overridden
+    (``layers``, first layer dense) and ``sets`` ("KEY=JSON" strings, the scripts' --set) applied."""
+    hf = dict(preset(name), **fields)
+    if layers:
+        hf = with_layers(hf, layers)
+    for kv in sets:
+        k, v = kv.split("=", 1)
+        hf[k] = json.loads(v)
+    return hf
 
 
 def step_floor(cfg, batch, ctx, kv_itemsize=2, ranks=1, fp8=NO_FP8):
