@@ -9,7 +9,6 @@ import functools
 import json
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 sys.path.insert(0, "scripts")
 from bench_fp8_kernels import quantize_fp8, rel  # noqa: E402
 
+from moejax.benchmark.roofline import time_call  # noqa: E402
 from moejax.kernel_selection import kernel_mode, select_moe, select_moe_fp8  # noqa: E402
 from moejax.layers.fp8_linear import dequantize_fp8  # noqa: E402
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul  # noqa: E402
@@ -30,14 +30,7 @@ def timeit(fn, *args, iters):
     fn = jax.jit(fn)
     try:
         out = jax.block_until_ready(fn(*args))
-        for _ in range(2):
-            jax.block_until_ready(fn(*args))
-        ts = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            ts.append(time.perf_counter() - t)
-        ts.sort()
+        ts = time_call(fn, *args, iters=iters, warmup=2, reduce=sorted)
         return dict(us=statistics.median(ts) * 1e6, p10=ts[len(ts) // 10] * 1e6, p90=ts[-1 - len(ts) // 10] * 1e6), out
     except Exception as e:  # a tile Triton rejects (shared memory, registers)
         return dict(error=f"{type(e).__name__}: {str(e)[:200]}"), None
