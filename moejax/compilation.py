@@ -42,9 +42,9 @@ def resolve_cache_dir(path: str | None = None) -> str | None:
     if path is None:  # a cache JAX was already given (JAX_COMPILATION_CACHE_DIR) is kept
         path = jax.config.jax_compilation_cache_dir
     if path is None:
-        # The default is for GPUs, where a program takes seconds to minutes to compile. XLA:CPU's
-        # executable deserialization is fragile (jax issues 28908 and 38445; our suite segfaulted twice
-        # loading entries another process had written) and CPU programs compile fast: off there unless asked.
+        # The default is for GPUs, where a program takes seconds to minutes to compile. CPU programs
+        # compile fast and XLA:CPU's executable loading is fragile upstream (jax issues 28908, 38445):
+        # off there unless asked.
         path = "off" if _cpu_only() else default_cache_dir()
     return None if path.strip().lower() in OFF else os.path.abspath(os.path.expanduser(path))
 

@@ -9,8 +9,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # One persistent XLA compilation cache per test process, not shared (many tests compile the same tiny
 # models' programs, which are then built once): set in JAX's config, not the environment, so the
-# scripts tests start as subprocesses do not read entries this process writes (loading another process's
-# XLA:CPU entries segfaulted twice in the suite under jax 0.10.2; moejax/compilation.py).
+# scripts tests start as subprocesses do not read entries this process writes (XLA:CPU's executable
+# loading is fragile upstream: moejax/compilation.py).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 

@@ -307,9 +307,8 @@ class ModelRunner:
         them instead. Tracing runs here, XLA's compiles in ``threads`` threads (default: the CPU count,
         at most 8, on a GPU; inline on CPU; $MOEJAX_COMPILE_THREADS). Returns {"programs", "seconds"}; logs one line a program."""
         t0 = time.perf_counter()
-        # XLA:CPU's compiles are short and a CPU process has other work: compile inline there (a compile
-        # thread reading the persistent cache beside the main thread's tracing segfaulted once in the
-        # suite under jax 0.10.2); GPUs take a pool.
+        # XLA:CPU's compiles are short and a CPU process has other work: compile inline there; GPUs,
+        # where a program takes seconds to minutes, take a pool.
         cpu = jax.default_backend() == "cpu"
         threads = threads or int(os.environ.get("MOEJAX_COMPILE_THREADS") or (1 if cpu else min(8, os.cpu_count() or 1)))
         steps = self._step_lowerings()
