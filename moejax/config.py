@@ -48,9 +48,10 @@ class SchedulerConfig:
     # A sequence preempted more often than this is finished with an error instead of being recomputed
     # again (a cache too small for the load could otherwise keep a request from ever finishing).
     max_preemptions: int = 16
-    # Build decode step t+1 while step t runs, reading t's tokens one step late. Off by default: on the
-    # H200 it measured slower than the synchronous loop (benchmarks/2026-12-04/host_overhead.txt).
-    async_scheduling: bool = False
+    # Build decode step t+1 while step t runs, reading t's tokens one step late. On by default since
+    # 2026-12-05: the synchronous loop left the GPU idle for 32% of a 512 x 2048 V3-rank step (host
+    # work between steps, benchmarks/2026-12-05d/); speculative steps run synchronously either way.
+    async_scheduling: bool = True
     # When a prefill step may run while sequences decode (moejax/engine/scheduling_policy.py): "prefill-first"
     # (throughput), "interleave:N" or "token-budget:T" (bound the stall of running streams).
     scheduling_policy: str = _policy.DEFAULT
@@ -123,7 +124,7 @@ class EngineConfig:
                kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
                fp8_variant: str = "auto", enable_prefix_caching: bool = True,
                gpu_memory_utilization: float = 0.9, max_preemptions: int = 16,
-               fuse_shared_experts: str = "auto", async_scheduling: bool = False,
+               fuse_shared_experts: str = "auto", async_scheduling: bool = True,
                scheduling_policy: str = _policy.DEFAULT, speculative_config=None) -> "EngineConfig":
         """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
 

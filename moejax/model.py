@@ -210,7 +210,7 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
          max_prefill_tokens: int = 8192, progress: bool = True, kv_cache_dtype: str = "auto",
          kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "auto",
          enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
-         max_preemptions: int = 16, fuse_shared_experts: str = "auto", async_scheduling: bool = False,
+         max_preemptions: int = 16, fuse_shared_experts: str = "auto", async_scheduling: bool = True,
          scheduling_policy: str = "prefill-first", load_format: str = "auto", precompile: bool = False,
          compilation_cache_dir: str | None = None, speculative_config: dict | None = None) -> Model:
     """Loads an HF checkpoint directory of a registered family (DeepSeek-V2/V3, Step3), or one
@@ -242,8 +242,8 @@ def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max
     ``fuse_shared_experts``: "auto" (shared experts inside the routed-expert kernel where the Pallas
     fused MoE runs), "on" or "off" (moejax/kernel_selection.py ``shared_expert_fusion``).
     ``async_scheduling`` builds each decode step while the one before it runs (its tokens read one
-    step late; the same tokens as with it off: moejax/engine/llm_engine.py); off by default (measured
-    slower on the H200 so far, docs/architecture.md).
+    step late; the same tokens as with it off: moejax/engine/llm_engine.py); on by default (the
+    synchronous loop leaves the device idle while the host builds each step, docs/architecture.md).
     ``speculative_config``: speculative decoding as vLLM's, {"method": "mtp", "num_speculative_tokens": k}: the
     checkpoint's MTP layer drafts k tokens a step and the model verifies them in one step (greedy output is
     the same, sampled output the same distribution and, seeded, the same tokens: moejax/engine/speculative.py).

@@ -87,7 +87,8 @@ def _bsmm_kernel(*refs, M, N, K, BM, BN, BK, KS, splits, a8, fmt):
 
     acc = jnp.zeros((BM, BN), f32)
     n_full = k_len // BK
-    acc = jax.lax.fori_loop(0, n_full, lambda i, a: step(k_lo + i * BK, False, a), acc)
+    if splits > 1 or K >= BK:  # K < BK: no whole step, and tracing one would slice past K
+        acc = jax.lax.fori_loop(0, n_full, lambda i, a: step(k_lo + i * BK, False, a), acc)
     if K % BK:  # the ragged step at the end of K (in the last split only)
         last = (K // BK) * BK
         if splits > 1:

@@ -150,9 +150,12 @@ def peer_in_child(argv) -> tuple[float | None, str | None]:
             return json.load(f)["peer_tok_per_s"], None
 
 
-def run_one(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=False, device_steps=0):
-    """Engine decode step times [s] at the point; with ``device_steps``, also the compiled step's own
-    time (device_step_time). Returns (times, memory, device step time or None)."""
+def run_one(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=None, device_steps=0):
+    """Engine decode step times [s] at the point (the loop of --loop unless ``async_scheduling`` is given);
+    with ``device_steps``, also the compiled step's own time (device_step_time). Returns (times, memory,
+    device step time or None)."""
+    if async_scheduling is None:
+        async_scheduling = a.loop == "async"
     m, eng, seqs = build_decode_batch(hf, parallel, kernels, a, weight_dtype, async_scheduling)
     times = []
     while len(times) < a.warmup + a.steps:
@@ -256,6 +259,8 @@ def main(argv=None):
     ap.add_argument("--fp8-variant", choices=["auto", "w8a16", "w8a8"], default="auto")
     ap.add_argument("--components", action="store_true", help="also time attention and MoE alone at the step's shapes")
     ap.add_argument("--peer", action="store_true", help="also run HF transformers (PyTorch) at the same batch and lengths")
+    ap.add_argument("--loop", choices=["async", "sync"], default="async",
+                    help="the engine loop timed: async (the engine's default: step t+1 built while t runs) or sync")
     ap.add_argument("--host-overhead", action="store_true",
                     help="instead of the variants: the engine's step time with the synchronous and the overlapped "
                          "(async scheduling) loop against the compiled step alone (first kernels/parallel/weights)")
@@ -307,7 +312,8 @@ def _bench(a, argv):
     fp8_of = {wd: EngineConfig.create(cfg, **weight_kw(wd)).fp8 for wd in weight_dtypes}
     nbytes, flops = step_floor(cfg, a.concurrency, ctx, kv_itemsize=kv_itemsize, fp8=fp8_of[weight_dtypes[0]])
     floor = max(nbytes / bw, flops / rate)
-    print(f"device: {jax.devices()[0].device_kind}; measured copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    print(f"device: {jax.devices()[0].device_kind}; measured copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} "
+          f"TFLOP/s; {a.loop} engine loop")
     print(f"step floors: memory {nbytes / bw * 1e3:.3f} ms ({nbytes / 1e9:.2f} GB), compute {flops / rate * 1e3:.3f} ms "
           f"({flops / 1e12:.2f} TFLOP)")
 
@@ -316,7 +322,7 @@ def _bench(a, argv):
         n = 1 if layout == "none" else ParallelConfig.load(layout).num_ranks
         b, f = step_floor(cfg, a.concurrency, ctx, kv_itemsize=kv_itemsize, ranks=n, fp8=fp8_of[wd])
         return max(b / (n * bw), f / (n * rate))
-    results = {"preset": a.preset, "layers": cfg.num_hidden_layers, "concurrency": a.concurrency,
+    results = {"preset": a.preset, "layers": cfg.num_hidden_layers, "concurrency": a.concurrency, "loop": a.loop,
                "input_len": a.input_len, "device": jax.devices()[0].device_kind, "copy_bw": bw, "matmul_rate": rate,
                "floor_s": floor, "runs": {}}
     base = None

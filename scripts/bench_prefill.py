@@ -16,6 +16,11 @@ bucketed by model_runner.packed_bucket), against the same prompts padded to [B, 
 longest] (the layout before packing), both on the "auto" path: step time, tokens computed and
 useful input tokens/s.
 
+--weight-dtype bf16,fp8: every point and path once per weight format (FP8: 128x128 block-scaled
+weights, the GEMM scheme from --fp8-variant, "auto" by default: kernel_selection.fp8_variant), in the
+same process; FP8 rows are keyed "<path>+fp8" and carry speedup_vs_bf16. The floor stays the bf16
+one (the step's FLOPs over the measured bf16 rate).
+
 Paths (--kernels): "auto" / "pallas" / "xla": ``moejax.load(kernels=...)`` for the whole model
 ("auto" on GPU: the flash prefill kernel, kernel_selection.select_prefill, and the Pallas MoE;
 "xla": the memory-bounded XLA blocked attention and ragged_dot experts); "attn-xla": "auto"
@@ -50,7 +55,9 @@ sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 import moejax.layers.mfa as mfa_mod  # noqa: E402
 import moejax.layers.mla as mla_mod  # noqa: E402
+from moejax.benchmark.decode_setup import weight_kw  # noqa: E402
 from moejax.benchmark.roofline import measure_matmul_rate, time_call  # noqa: E402
+from moejax.config import EngineConfig  # noqa: E402
 from moejax.engine.model_runner import next_pow2, packed_bucket  # noqa: E402
 from moejax.kernel_selection import kernel_mode, select_prefill  # noqa: E402
 from moejax.layers.linear import einsum_f32  # noqa: E402
@@ -289,17 +296,26 @@ def bench_preset(name: str, a_args, rate: float, results: dict, save) -> None:
         hf = with_layers(hf, a_args.layers)
     cfg = parse_model_config(hf)
     dtype = jnp.dtype(a_args.dtype)
+    for wd in a_args.weight_dtype.split(","):
+        bench_weights(name, hf, cfg, dtype, wd, a_args, rate, results, save)
+
+
+def bench_weights(name, hf, cfg, dtype, wd: str, a_args, rate: float, results: dict, save) -> None:
+    """Every point and path of one preset with one weight format (``wd``: a --weight-dtype item)."""
     t0 = time.perf_counter()
-    if a_args.smoke:  # NumPy weights: no per-leaf compilation on the CPU
+    fp8 = EngineConfig.create(cfg, **weight_kw(wd)).fp8
+    if a_args.smoke and wd == "bf16":  # NumPy weights: no per-leaf compilation on the CPU
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), random_params(cfg))
     else:
-        params = random_device_params(cfg, a_args.dtype)
+        params = random_device_params(cfg, a_args.dtype, fp8=fp8)
     m = random_model(hf, a_args.dtype, params=params, kernels="xla", max_model_len=min(cfg.max_position_embeddings,
-                                                                                       4096))
+                                                                                       4096),
+                     fp8_variant=a_args.fp8_variant, **weight_kw(wd))
     a = attention_shapes(cfg)
     print(f"\n{name}: {cfg.num_hidden_layers} layers, {a['H']} heads over {a['Hk']} K/V heads, "
-          f"qk {a['Dk']}+{a['R']}, v {a['Dv']} (weights in {time.perf_counter() - t0:.0f} s)")
+          f"qk {a['Dk']}+{a['R']}, v {a['Dv']}, {wd} weights (made in {time.perf_counter() - t0:.0f} s)")
     res = results["presets"].setdefault(name, {"layers": cfg.num_hidden_layers, "attention": a, "points": {}})
+    tag = "" if wd == "bf16" else f"+{wd}"
     for spec in filter(None, (a_args.mixed or "").split("/")):
         lens = [int(x) for x in spec.split(",")]
         try:
@@ -308,14 +324,14 @@ def bench_preset(name: str, a_args, rate: float, results: dict, save) -> None:
         except Exception as e:  # noqa: BLE001  (record it, go on with the points)
             why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             traceback.print_exc()
-            res.setdefault("mixed", {})[spec] = {"failed": why}
-            print(f"  mixed {spec}: failed: {why}")
+            res.setdefault("mixed", {})[spec + tag] = {"failed": why}
+            print(f"  mixed {spec}{tag}: failed: {why}")
             gc.collect()
             save()
             continue
-        res.setdefault("mixed", {})[spec] = r
+        res.setdefault("mixed", {})[spec + tag] = r
         pk, pd = r["packed"], r["padded"]
-        print(f"  mixed {spec}: packed {pk['step_s'] * 1e3:.2f} ms ({pk['tokens_computed']} tokens computed, "
+        print(f"  mixed {spec}{tag}: packed {pk['step_s'] * 1e3:.2f} ms ({pk['tokens_computed']} tokens computed, "
               f"{pk['useful_tok_per_s']:.0f} tok/s) vs padded {pd['step_s'] * 1e3:.2f} ms "
               f"({pd['tokens_computed']} tokens, {pd['useful_tok_per_s']:.0f} tok/s): x{r['packed_speedup']:.2f}, "
               f"logits rel err {r['logits_rel_err']:.1e}")
@@ -335,11 +351,12 @@ def bench_preset(name: str, a_args, rate: float, results: dict, save) -> None:
                                               "paths": {}})
         outputs: dict = {}
         for path in a_args.kernels.split(","):
+            key = path + tag
             scores_gb = 4 * B * a["H"] * S * S / 1e9
             if path == "full" and scores_gb > a_args.full_limit_gb:
-                pr["paths"][path] = {"skipped": f"its f32 scores alone are {scores_gb:.0f} GB "
+                pr["paths"][key] = {"skipped": f"its f32 scores alone are {scores_gb:.0f} GB "
                                                 f"(> --full-limit-gb {a_args.full_limit_gb})"}
-                print(f"  {point:>8} [{path:>6}]: skipped ({pr['paths'][path]['skipped']})")
+                print(f"  {point:>8} [{key:>6}]: skipped ({pr['paths'][path]['skipped']})")
                 continue
             try:
                 r = run_point(m, cfg, B, S, path, a, dtype, a_args.iters, a_args.warmup, outputs)
@@ -347,28 +364,33 @@ def bench_preset(name: str, a_args, rate: float, results: dict, save) -> None:
                 why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
                 if a_args.smoke:
                     traceback.print_exc()
-                pr["paths"][path] = {"failed": why}
-                print(f"  {point:>8} [{path:>6}]: failed: {why}")
+                pr["paths"][key] = {"failed": why}
+                print(f"  {point:>8} [{key:>6}]: failed: {why}")
                 gc.collect()
                 save()
                 continue
             r["floor_fraction"] = floor / r["step_s"]
-            pr["paths"][path] = r
+            pr["paths"][key] = r
             err = "".join(f", err {v:.1e} vs {k[len('attention_rel_err_vs_'):]}" for k, v in r.items()
                           if k.startswith("attention_rel_err_vs_"))
             pk = "" if r["peak_bytes_in_use"] is None else f", peak {r['peak_bytes_in_use'] / 2**30:.1f} GiB"
-            print(f"  {point:>8} [{path:>6}]: step {r['step_s'] * 1e3:9.2f} ms, {r['tok_per_s']:9.0f} tok/s, "
+            print(f"  {point:>8} [{key:>6}]: step {r['step_s'] * 1e3:9.2f} ms, {r['tok_per_s']:9.0f} tok/s, "
                   f"{100 * r['floor_fraction']:5.1f}% of floor {floor * 1e3:.2f} ms; attention "
                   f"{r['attention_s'] * 1e3:8.2f} ms; temps {r['temp_bytes'] / 2**30:.2f} GiB{pk}{err}")
             sys.stdout.flush()
             save()
         outputs.clear()
-        for path, r in pr["paths"].items():
+        for path in a_args.kernels.split(","):
+            r = pr["paths"].get(path + tag, {})
             for other in ("xla", "attn-xla", "full"):
-                base = pr["paths"].get(other, {})
+                base = pr["paths"].get(other + tag, {})
                 if "step_s" in r and "step_s" in base and path != other:
                     r[f"speedup_vs_{other}"] = base["step_s"] / r["step_s"]
                     r[f"attention_speedup_vs_{other}"] = base["attention_s"] / r["attention_s"]
+            bf16 = pr["paths"].get(path, {})
+            if tag and "step_s" in r and "step_s" in bf16:
+                r["speedup_vs_bf16"] = bf16["step_s"] / r["step_s"]
+                print(f"  {point:>8} [{path + tag:>6}]: x{r['speedup_vs_bf16']:.2f} vs bf16 weights")
     del m, params
     gc.collect()
 
@@ -482,6 +504,8 @@ def main(argv=None):
     ap.add_argument("--full-limit-gb", type=float, default=24.0,
                     help="skip the full-score path where its f32 scores alone exceed this")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--weight-dtype", default="bf16", help="comma list of bf16 / fp8 / fp8:<layer types joined by +>")
+    ap.add_argument("--fp8-variant", choices=["auto", "w8a16", "w8a8"], default="auto")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--mixed", default="", help="prompt lengths of one packed-vs-padded step, comma list; "

@@ -74,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens of one prefill step; longer prompts are prefilled in chunks")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV blocks of a prompt's longest cached prefix (vLLM's automatic prefix caching)")
-    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="build decode step t+1 while step t runs, reading t's tokens one step late (vLLM's async "
-                         "scheduling; off by default: slower than the synchronous loop in its first H200 run)")
+                         "scheduling; on by default: --no-async-scheduling reads every step before building the next)")
     ap.add_argument("--scheduling-policy", type=_scheduling_policy, default="prefill-first",
                     help="when a prefill step may run while sequences decode: prefill-first (whenever a prompt "
                          "waits and fits: throughput), interleave:N (at most N prefill steps in a row, then a "

@@ -246,6 +246,7 @@ MM_CASES = [  # M, K, N, (block_m, block_n, block_k, num_splits)
     (32, 256, 384, (16, 128, 128, 1)),  # aligned: slice loads
     (17, 640, 72, (16, 256, 64, 3)),    # 256-wide tile over 1 cut scale block, K split in 3 (2+2+1 blocks)
     (20, 1000, 130, (32, 64, 128, 4)),  # ragged K in the last split, N just past a block
+    (32, 48, 128, (16, 128, 64, 1)),    # K below one K step (tiny models): only the ragged step
 ]
 
 

@@ -105,7 +105,7 @@ def fill_without_prefill(eng, seed: int = 0) -> None:
     runner.cache.block_until_ready()
 
 
-def build_decode_batch(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=False):
+def build_decode_batch(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=True):
     """The engine at the point, its batch admitted and prefilled (``a.fill``: "prefill" runs the real
     prefill, "random" fills the cache without it), ready for decode steps. ``a`` carries dtype,
     fp8_variant, kv_dtype ("bf16" / "fp8"), concurrency (over the node), input_len, output_len, fill.

@@ -3,7 +3,7 @@
 Decode-only time and tokens are accumulated separately from prefill, so decode
 throughput can be reported without prefill time (as the reference numbers are).
 
-With ``async_scheduling`` (opt-in, as vLLM's ``--async-scheduling``) decode steps overlap
+With ``async_scheduling`` (the default; vLLM's ``--async-scheduling``, SGLang's overlap scheduler) decode steps overlap
 the host's work: ``step()`` schedules and dispatches decode step t+1 before it reads step t's
 tokens, so the device never waits for the host to build its next inputs. Step t+1's input
 tokens are step t's sampled tokens, gathered on the device into t+1's batch order
