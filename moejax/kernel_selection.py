@@ -211,23 +211,34 @@ def _fp8_weight_format(weight_dtype, variant: str) -> tuple[str | None, str]:
 
 
 # Rows an expert from which the W8A8 fused MoE (FP8 x FP8 dots on wgmma, pallas_kernels/triton_fp8_dots.py)
-# beats W8A16. H100, V3 EP8-rank expert share (32 experts, 7168 -> 2048), benchmarks/2026-12-05c/h100/
-# fp8_probe.txt: 128 rows an expert W8A8 1469 us vs W8A16 1844 us (bf16 kernel 1489 us); 16 rows 844 vs
-# 821 us (a tie: weight reads bound it). 32-64 rows not measured: W8A16 kept there.
-W8A8_MIN_ROWS_PER_EXPERT = 128
+# beats W8A16. H100, V3 EP8-rank expert share (32 experts, 7168 -> 2048): 128 rows an expert W8A8 1469 us
+# vs W8A16 1844 us (bf16 kernel 1489 us), 16 rows 844 vs 821 us (a tie: weight reads bound it)
+# (benchmarks/2026-12-05c/h100/fp8_probe.txt); 64 rows W8A8 1338 us vs the bf16 kernel 1821 us with the
+# 128 x 128 down tiles (benchmarks/2026-12-05d/h100/call1/fp8_tiles.txt).
+W8A8_MIN_ROWS_PER_EXPERT = 64
+# Rows an expert from which "auto" dequantises FP8 expert weights in the step and runs the bf16 kernel
+# ("bf16 where it wins"): the W8A8 kernel's tiles fall behind the bf16 kernel's at prefill sizes (V3 EP8
+# rank, 8 x 2048 prompts = 4096 rows an expert: FP8 prefill 0.65x bf16, benchmarks/2026-12-05d/h100/
+# call1/prefill_fp8.txt), while dequantising costs one pass over the weights (about 1.7 ms a layer on
+# the H100 against ~5 ms of bf16 expert GEMM at 1024 rows an expert).
+BF16_MIN_ROWS_PER_EXPERT = 1024
 
 
 def fp8_variant(variant: str, rows: int, groups: int, weight_dtype) -> str:
-    """The FP8 scheme a GEMM runs: ``variant`` as given unless "auto"; "auto" is W8A8 for grouped expert
-    GEMMs from W8A8_MIN_ROWS_PER_EXPERT rows an expert on CUDA (where FP8 dots run on the tensor cores),
-    W8A16 otherwise (small batches are weight-read bound; ROCm's fnuz weights take no FP8 dot in
-    Pallas-Triton; dense projections: above 64 rows XLA's dequantise-then-dot beat the W8A8 kernel at
-    3 of 4 V3 shapes on the H100, fp8_probe.txt, so they stay W8A16 / XLA)."""
+    """The FP8 scheme a GEMM runs: ``variant`` as given unless "auto". "auto" on CUDA, for grouped expert
+    GEMMs: W8A16 below W8A8_MIN_ROWS_PER_EXPERT rows an expert (weight-read bound), W8A8 from there (FP8
+    dots on the tensor cores), "bf16" (weights dequantised in the step, the bf16 kernel) from
+    BF16_MIN_ROWS_PER_EXPERT. W8A16 everywhere else: ROCm (fnuz weights take no FP8 dot in
+    Pallas-Triton), CPU, and dense projections (above 64 rows XLA's dequantise-then-dot, which is the
+    bf16 GEMM after one pass over the weight; fp8_probe.txt)."""
     if variant != "auto":
         return variant
     if groups <= 1 or platform() != "cuda" or _fp8_weight_format(weight_dtype, "w8a8")[0] is None:
         return "w8a16"
-    return "w8a8" if rows / groups >= W8A8_MIN_ROWS_PER_EXPERT else "w8a16"
+    per_expert = rows / groups
+    if per_expert >= BF16_MIN_ROWS_PER_EXPERT:
+        return "bf16"
+    return "w8a8" if per_expert >= W8A8_MIN_ROWS_PER_EXPERT else "w8a16"
 
 
 def select_moe_fp8(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, weight_dtype,
@@ -251,7 +262,10 @@ def select_moe_fp8(num_rows: int, num_experts: int, hidden: int, inter: int, dty
         p["block_n"], p["block_n_down"], p["num_warps"] = min(p["block_n"], 64), max(p["block_n_down"], 128), 8
         p["block_n_down"] = min(p["block_n_down"], max(16, 1 << max(hidden - 1, 1).bit_length()))
     if variant == "w8a8" and inter >= 128 and hidden >= 128:
-        p["block_n"], p["block_k"], p["block_k_down"] = 128, 128, max(p["block_k_down"], 32)
+        # 128 x 128 down tiles: 64 rows an expert 1338 vs 1494 us, 128 rows 1735 vs 1891 us (H100,
+        # benchmarks/2026-12-05d/h100/call1/fp8_tiles.txt); 8 warps for 128-row tiles (4: 3372 us).
+        p["block_n"], p["block_k"], p["block_n_down"], p["block_k_down"] = 128, 128, 128, 128
+        p["num_warps"] = 8 if p["block_m"] >= 128 else 4
     return Choice("pallas", p, base.reason)
 
 
@@ -284,7 +298,9 @@ def select_fp8_linear(m: int, n: int, k: int, dtype, weight_dtype, variant: str 
         bm = max(16, 1 << max(m - 1, 0).bit_length())  # a power of two (Triton blocks), >= 16 (dot minimum)
         p = dict(block_m=bm, block_n=cap(64 if n < 2048 else 128, n), block_k=128, num_warps=4, num_stages=3)
     else:
-        p = dict(block_m=128, block_n=cap(128, n), block_k=64, num_warps=8, num_stages=3)
+        # 128 x 128 x 128, 8 warps: the best of the H100 W8A8 sweep at M 256-512 (V3 o_proj-sized 7168 x
+        # 7168: 188 us vs 394 us with 64-row tiles; benchmarks/2026-12-05d/h100/call1/fp8_tiles.txt).
+        p = dict(block_m=128, block_n=cap(128, n), block_k=128, num_warps=8, num_stages=3)
     programs = -(-m // p["block_m"]) * -(-n // p["block_n"])
     m_pad = -(-m // p["block_m"]) * p["block_m"]
     p["num_splits"] = max(1, min(-(-num_compute_units() // programs), k // (4 * m_pad), -(-k // 128) // 2))

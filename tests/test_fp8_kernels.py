@@ -310,6 +310,13 @@ def test_xla_fallbacks_match_reference():
         ref = moe_ref(x2, gs, dg, du, dd, a8=variant == "w8a8")
         assert rel_err(y[:12], ref[:12]) < (2e-3 if variant == "w8a8" else 1e-5), f"{variant} {where(seed)}"
         assert not np.any(np.asarray(y[12:]))
+    # "bf16" (auto at prefill sizes): the weights dequantised to x's dtype, then the bf16 MLP (XLA and the
+    # Pallas kernel): W8A16's numbers up to x's dtype
+    ref = moe_ref(x2, gs, dg, du, dd, a8=False)
+    for mode in ("xla", "pallas"):
+        y = jax.jit(lambda *a: grouped_mlp_fp8(*a, variant="bf16", mode=mode))(x2, g_sz, *w)
+        tol = 1e-5 if x2.dtype == jnp.float32 else 1e-2
+        assert rel_err(y[:12], ref[:12]) < tol and not np.any(np.asarray(y[12:])), f"bf16 {mode} {where(seed)}"
 
 
 def test_entry_points_kernel_vs_xla():
@@ -356,6 +363,9 @@ def test_fp8_variant_auto(monkeypatch):
     monkeypatch.setattr(selection, "platform", lambda: "cuda")
     assert selection.fp8_variant("auto", 32 * n, 32, FN) == "w8a8"
     assert selection.fp8_variant("auto", 32 * n - 1, 32, FN) == "w8a16"
+    b = selection.BF16_MIN_ROWS_PER_EXPERT  # prefill sizes: dequantised weights, the bf16 kernel
+    assert selection.fp8_variant("auto", 32 * b, 32, FN) == "bf16"
+    assert selection.fp8_variant("auto", 32 * b - 1, 32, FN) == "w8a8"
     assert selection.fp8_variant("auto", 4096, 1, FN) == "w8a16"  # dense
     assert selection.fp8_variant("auto", 32 * n, 32, FNUZ) == "w8a16"
     for v in ("w8a16", "w8a8"):

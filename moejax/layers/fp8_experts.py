@@ -35,6 +35,21 @@ def grouped_mlp_fp8_xla(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_dow
     return jax.lax.ragged_dot(h.astype(dt), wd, group_sizes, preferred_element_type=f32)
 
 
+def grouped_mlp_dequantised(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down,
+                            mode: str | None = None, weight_format: str | None = None):
+    """The weights dequantised to x's dtype (and to the bf16 kernel's [E, in, out] layout), then the bf16
+    routed-expert MLP (Pallas where selected, else ragged_dot): the same numbers as W8A16."""
+    wg, wu, wd = (jnp.swapaxes(dequantize_fp8(w, s, x_sorted.dtype, weight_format), 1, 2)
+                  for w, s in ((w_gate, s_gate), (w_up, s_up), (w_down, s_down)))
+    y = kernel_selection.grouped_mlp(x_sorted, group_sizes, wg, wu, wd, mode=mode)
+    if y is not None:
+        return y
+    f32 = jnp.float32
+    g = jax.lax.ragged_dot(x_sorted, wg, group_sizes, preferred_element_type=f32)
+    u = jax.lax.ragged_dot(x_sorted, wu, group_sizes, preferred_element_type=f32)
+    return jax.lax.ragged_dot((jax.nn.silu(g) * u).astype(x_sorted.dtype), wd, group_sizes, preferred_element_type=f32)
+
+
 def grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, variant: str = "w8a16",
                     mode: str | None = None, weight_format: str | None = None):
     """x_sorted [N, H] rows grouped by expert -> [N, H] float32 (rows past sum(group_sizes): zero from
@@ -42,6 +57,9 @@ def grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s
     ``mode``: the kernel mode ("auto" | "pallas" | "xla"; None = the current ``kernel_mode``);
     ``variant`` "auto": kernel_selection.fp8_variant picks W8A8 or W8A16 from the rows an expert."""
     variant = kernel_selection.fp8_variant(variant, x_sorted.shape[0], w_gate.shape[0], w_gate.dtype)
+    if variant == "bf16":  # prefill-sized groups: one pass over the weights, then the bf16 kernel
+        return grouped_mlp_dequantised(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, mode,
+                                       weight_format)
     y = kernel_selection.grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down,
                                          variant, mode, weight_format)
     if y is None:
