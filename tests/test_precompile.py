@@ -104,12 +104,14 @@ def test_precompiled_server_never_compiles(tiny_path):
 
 
 def test_restart_with_cache_compiles_nothing(tiny_path, tmp_path):
-    """Two processes with the same cache directory: the first compiles, the second only loads."""
+    """Two processes with the same cache directory: the first compiles, the second only loads (a smaller
+    engine than LOAD's: fewer buckets, the same kinds of program)."""
+    small = dict(LOAD, max_model_len=32, max_num_seqs=2, max_prefill_tokens=16)
     script = textwrap.dedent(f"""
         import json, moejax
         from moejax import compilation
         m = moejax.load({tiny_path!r}, compilation_cache_dir={str(tmp_path)!r}, precompile=True,
-                        **{LOAD!r})
+                        **{small!r})
         built, hits = compilation.COUNTER.snapshot()
         print(json.dumps({{"built": built, "hits": hits}}))
     """)
