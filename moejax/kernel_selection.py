@@ -393,14 +393,14 @@ def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, 
 
 
 def mla_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size: int, scale: float,
-                  layer: int | None = None, mode: str | None = None):
+                  layer: int | None = None, mode: str | None = None, out_dtype=None):
     """MLA decode through the selected kernel; None when the XLA path should run."""
     B, H, C = q_latent.shape
     c = select_mla(B, H, C, q_rope.shape[-1], block_tables.shape[1] * block_size, block_size, cache.dtype, mode)
     if c.impl != "pallas":
         return None
     return paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size=block_size,
-                             scale=float(scale), layer=layer, **c.params)
+                             scale=float(scale), layer=layer, out_dtype=out_dtype, **c.params)
 
 
 # ------------------------------------------------------------------ MFA decode (Step3)
@@ -425,14 +425,14 @@ def select_mfa(batch: int, heads: int, head_dim: int, groups: int, max_len: int,
 
 
 def mfa_attention(q, cache, block_tables, seq_lens, block_size: int, scale: float, groups: int,
-                  layer: int | None = None, mode: str | None = None):
+                  layer: int | None = None, mode: str | None = None, out_dtype=None):
     """MFA decode through the selected kernel; None when the XLA path should run."""
     B, H, D = q.shape
     c = select_mfa(B, H, D, groups, block_tables.shape[1] * block_size, block_size, cache.dtype, mode)
     if c.impl != "pallas":
         return None
     return paged_decode_attention(q, None, cache, block_tables, seq_lens, block_size=block_size, scale=float(scale),
-                             layer=layer, v_offset=D, **c.params)
+                             layer=layer, v_offset=D, out_dtype=out_dtype, **c.params)
 
 
 # ------------------------------------------------------------------ prefill attention (MLA and MFA)

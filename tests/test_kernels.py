@@ -130,6 +130,11 @@ def test_mla_decode_matches_reference(kv, B, H, C, R, block_size, nb, lens, bloc
     # against the exact attention over what the cache holds
     exact = mla_reference(ql, qr, stored, bt, lens, block_size, scale)
     assert rel_err(got, exact) < 1e-2
+    if tile == "gather" and kv == "bf16":  # a bf16 context: written by the kernel (one split) or after the combine
+        gb = paged_decode_attention(ql, qr, cache, bt, lens, block_size=block_size, scale=scale, layer=1,
+                                    block_h=block_h, block_t=block_t, num_splits=splits, tile=tile, out_dtype=BF16,
+                                    interpret=True)
+        assert gb.dtype == BF16 and rel_err(gb, exact) < 1e-2
     if kv == "fp8":  # and against the unquantised values: 3e-2, or the FP8 format's own error on this draw
         unq = mla_reference(ql, qr, values[1], bt, lens, block_size, scale)
         assert rel_err(got, unq) < max(3e-2, rel_err(exact, unq) + 5e-3)

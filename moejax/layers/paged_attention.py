@@ -36,13 +36,14 @@ def gather_sequence_slots(block_tables, block_size: int):
 
 
 def mla_decode_attention(q_latent, q_rope, cache_layer, block_tables, seq_lens, block_size: int, scale: float,
-                         layer: int | None = None):
+                         layer: int | None = None, out_dtype=None):
     """q_latent [B, H, C], q_rope [B, H, R], cache_layer [num_slots, C+R],
-    block_tables [B, nb], seq_lens [B] (>= 1) -> context latents [B, H, C] float32.
+    block_tables [B, nb], seq_lens [B] (>= 1) -> context latents [B, H, C] in ``out_dtype`` (default float32).
 
     With ``layer``, cache_layer is the whole cache [L, num_slots, D] (the Pallas kernel then
     reads that layer in place). An FP8 cache holds rows in the layout of layers/kv_quant.py."""
-    ctx = kernel_selection.mla_attention(q_latent, q_rope, cache_layer, block_tables, seq_lens, block_size, scale, layer)
+    ctx = kernel_selection.mla_attention(q_latent, q_rope, cache_layer, block_tables, seq_lens, block_size, scale, layer,
+                                         out_dtype=out_dtype)
     if ctx is not None:
         return ctx
     if layer is not None:
@@ -59,18 +60,18 @@ def mla_decode_attention(q_latent, q_rope, cache_layer, block_tables, seq_lens, 
     valid = jnp.arange(kv.shape[1])[None, :] < seq_lens[:, None]
     s = jnp.where(valid[:, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    return einsum_f32("bht,btc->bhc", p.astype(kv.dtype), latent)
+    return einsum_f32("bht,btc->bhc", p.astype(kv.dtype), latent).astype(out_dtype or jnp.float32)
 
 
 def mfa_decode_attention(q, cache_layer, block_tables, seq_lens, block_size: int, scale: float, num_kv_heads: int,
-                         layer: int | None = None):
+                         layer: int | None = None, out_dtype=None):
     """q [B, nh, D] (rotated), cache_layer [num_slots, 2*G*D] rows [k | v], block_tables [B, nb],
     seq_lens [B] (>= 1) -> context [B, nh, D] float32. With ``layer``, cache_layer is the whole
     cache [L, num_slots, D'] (the Pallas kernel then reads that layer in place).
 
     XLA path: one gather of the sequence's rows, then one einsum for all heads of each KV group."""
     ctx = kernel_selection.mfa_attention(q, cache_layer, block_tables, seq_lens, block_size, scale, num_kv_heads,
-                                         layer)
+                                         layer, out_dtype=out_dtype)
     if ctx is not None:
         return ctx
     if layer is not None:
@@ -90,4 +91,4 @@ def mfa_decode_attention(q, cache_layer, block_tables, seq_lens, block_size: int
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     ctx = einsum_f32("bgnt,btgd->bgnd", p.astype(kv.dtype), v)
-    return ctx.reshape(B, nh, D)
+    return ctx.reshape(B, nh, D).astype(out_dtype or jnp.float32)
