@@ -47,6 +47,15 @@ class Linear(nn.Module):
             return fp8_linear(x.astype(self.dtype), self.weight, self.weight_scale_inv, self.fp8.variant)
         return jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight)
 
+    def f32(self, x):
+        """The product in float32 straight from the GEMM (its f32 accumulator, not rounded to the weight's
+        dtype and converted back: for lm_head over 129k tokens of vocabulary at 512 rows that saves a
+        pass over 400 MB)."""
+        if self.fp8 is not None:
+            return fp8_linear(x.astype(self.dtype), self.weight, self.weight_scale_inv, self.fp8.variant,
+                              out_dtype=jnp.float32)
+        return jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight, preferred_element_type=jnp.float32)
+
 
 class Embedding(nn.Module):
     num_embeddings: int
