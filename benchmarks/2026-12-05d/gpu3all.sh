@@ -25,7 +25,7 @@ run step3 40 python3 scripts/bench_decode.py --preset step3-ep8-rank --layers 4 
   --fill random --kernels auto --steps 10 --weight-dtype bf16,fp8 --json $R/step3.json
 run l8 60 python3 scripts/bench_decode.py --preset deepseek-v3-ep8-rank --layers 8 --fill random --kernels auto \
   --steps 10 --input-len 2048 --concurrency 128,256,512 --weight-dtype fp8 --json $R/l8.json
-XLA_FLAGS=--xla_gpu_enable_command_buffer= run prof_fp8 55 python3 scripts/profile_step.py --preset deepseek-v3-ep8-rank \
+run prof_fp8 55 env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/profile_step.py --preset deepseek-v3-ep8-rank \
   --layers 4 --concurrency 512 --input-len 2048 --kernels auto --weight-dtype fp8 --steps 3 --top 30 --json $R/prof_fp8.json
 run w8a8dense 40 python3 scripts/bench_decode.py --preset deepseek-v3-ep8-rank --layers 4 --input-len 2048 --fill random \
   --kernels pallas --steps 10 --concurrency 512 --weight-dtype fp8 --fp8-variant w8a8 --json $R/w8a8dense.json
