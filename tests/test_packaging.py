@@ -268,8 +268,8 @@ def test_serve_forwards_load_options():
     assert kw["gpu_memory_utilization"] == 0.55
     kw = serve.build_load_kwargs(ap.parse_args([]))
     assert (kw["parallel"], kw["kv_cache_dtype"], kw["kernels"]) == (None, "auto", "auto")
-    assert serve.build_load_kwargs(ap.parse_args(["--async-scheduling"]))["async_scheduling"] is True
-    assert serve.build_load_kwargs(ap.parse_args([]))["async_scheduling"] is False
+    assert serve.build_load_kwargs(ap.parse_args(["--no-async-scheduling"]))["async_scheduling"] is False
+    assert serve.build_load_kwargs(ap.parse_args([]))["async_scheduling"] is True  # the default
     a = ap.parse_args(["--model", "deepseek-v3", "--load-format", "dummy"])
     assert serve.build_load_kwargs(a)["load_format"] == "dummy"
     assert ap.parse_args(serve.worker_argv(a, "decode", 1234)).load_format == "dummy"  # disaggregated workers too
