@@ -1,7 +1,8 @@
 """Async scheduling (the overlapped decode loop) against the synchronous loop: the same token ids,
 logprobs, finish reasons and texts for greedy and seeded sampling, stop strings, EOS, differing
-max_new_tokens, an abort mid-generation, preemption, and a streamed request through the server's
-engine thread; step t+1 is dispatched before step t is read."""
+max_new_tokens, an abort mid-generation and a streamed request through the server's engine thread;
+step t+1 is dispatched before step t is read. (Preemption under the async loop, now the default:
+tests/test_engine.py::test_preemption_loses_nothing, against a synchronous run.)"""
 
 import asyncio
 
@@ -126,19 +127,6 @@ def test_abort_mid_generation(models):
     got = _run(overlapped, prompts, params, abort=at)
     _assert_same(got, want)
     assert got[at[0]][2] == "abort" and len(got[at[0]][0]) == at[1]
-
-
-def test_preemption_under_a_tiny_cache(tiny_path):
-    """A cache too small for all sequences: both loops preempt; the tokens equal an unconstrained run."""
-    rng = np.random.default_rng()
-    prompts = _prompts(6, rng, 10, 30)
-    params = [SamplingParams(max_new_tokens=int(rng.integers(20, 40)), ignore_eos=True) for _ in prompts]
-    kw = dict(block_size=8, num_kv_blocks=16, max_model_len=128)
-    want = _run(_load(tiny_path, False, max_model_len=128), prompts, params)
-    small = _load(tiny_path, True, **kw)
-    got = _run(small, prompts, params)
-    assert small.engine.scheduler.num_preemptions > 0
-    assert [g[0] for g in got] == [w[0] for w in want] and [g[2] for g in got] == [w[2] for w in want]
 
 
 def test_step_t_plus_1_dispatched_before_step_t_is_read(models):

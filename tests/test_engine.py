@@ -200,12 +200,13 @@ def test_top_logprobs_match_score(tiny_path):
 
 
 def test_preemption_loses_nothing(tiny_path):
-    """A cache too small for every sequence at once forces preemption; outputs equal an unconstrained run.
+    """A cache too small for every sequence at once forces preemption; outputs (the async loop, the default)
+    equal an unconstrained run of the synchronous loop.
     With max_preemptions=0 each preempted sequence is given up at once instead: finish_reason "error" with
     its error naming the bound, its tokens a prefix of the unconstrained run's; the others equal it."""
     rng = np.random.default_rng()
     prompts = _prompts(6, rng, 10, 30)
-    big = _load(tiny_path)
+    big = _load(tiny_path, async_scheduling=False)
     want = [r.token_ids for r in moejax.generate(big, prompts, max_new_tokens=40, ignore_eos=True)]
     small = _load(tiny_path, block_size=8, num_kv_blocks=16, max_model_len=128)  # 128 slots for ~6 x 60 tokens
     got = [r.token_ids for r in moejax.generate(small, prompts, max_new_tokens=40, ignore_eos=True)]
