@@ -222,19 +222,30 @@ W8A8_MIN_ROWS_PER_EXPERT = 64
 # call1/prefill_fp8.txt), while dequantising costs one pass over the weights (about 1.7 ms a layer on
 # the H100 against ~5 ms of bf16 expert GEMM at 1024 rows an expert).
 BF16_MIN_ROWS_PER_EXPERT = 1024
+# Rows of a dense FP8 projection for which "auto" runs the W8A8 kernel (128 x 128 x 128 tiles, 8 warps)
+# instead of XLA's dequantise-then-dot, whose weight pass (fp8 read, bf16 written and read again) cost
+# ~1.7 ms of a 4-layer V3 EP8-rank step at 512 x 2048 (the FP8 profile's convert fusions): that step
+# 14.79 ms with XLA's dense path, 13.46 ms with the W8A8 kernel (H200, benchmarks/2026-12-05d/h200/
+# new2048.txt, w8a8dense.txt); kernel alone at 7168 x 7168, M 256-512: 155-188 us against 383-901 us for
+# XLA's bf16 dot (H100 sweep, noisy). Above 2048 rows (prefill) the weight pass is amortised and
+# cuBLAS's bf16 GEMM at ~750 TFLOP/s is not beaten by these tiles (M 2048: 875 vs 898 us): XLA there.
+DENSE_W8A8_ROWS = (256, 2048)
 
 
 def fp8_variant(variant: str, rows: int, groups: int, weight_dtype) -> str:
     """The FP8 scheme a GEMM runs: ``variant`` as given unless "auto". "auto" on CUDA, for grouped expert
     GEMMs: W8A16 below W8A8_MIN_ROWS_PER_EXPERT rows an expert (weight-read bound), W8A8 from there (FP8
     dots on the tensor cores), "bf16" (weights dequantised in the step, the bf16 kernel) from
-    BF16_MIN_ROWS_PER_EXPERT. W8A16 everywhere else: ROCm (fnuz weights take no FP8 dot in
-    Pallas-Triton), CPU, and dense projections (above 64 rows XLA's dequantise-then-dot, which is the
-    bf16 GEMM after one pass over the weight; fp8_probe.txt)."""
+    BF16_MIN_ROWS_PER_EXPERT; dense projections: W8A8 for DENSE_W8A8_ROWS rows, W8A16 otherwise (the
+    Pallas kernel up to 64 rows, XLA's dequantise-then-dot above). W8A16 everywhere on ROCm (fnuz weights
+    take no FP8 dot in Pallas-Triton) and CPU."""
     if variant != "auto":
         return variant
-    if groups <= 1 or platform() != "cuda" or _fp8_weight_format(weight_dtype, "w8a8")[0] is None:
+    if platform() != "cuda" or _fp8_weight_format(weight_dtype, "w8a8")[0] is None:
         return "w8a16"
+    if groups <= 1:
+        lo, hi = DENSE_W8A8_ROWS
+        return "w8a8" if lo <= rows <= hi else "w8a16"
     per_expert = rows / groups
     if per_expert >= BF16_MIN_ROWS_PER_EXPERT:
         return "bf16"
@@ -291,7 +302,8 @@ def select_fp8_linear(m: int, n: int, k: int, dtype, weight_dtype, variant: str 
         return Choice("xla", reason=why)
     if not forced and (n < 16 or k < 16):
         return Choice("xla", reason="dims below the Triton dot minimum (16)")
-    if not forced and m > 64 and platform() == "cuda":
+    w8a8_rows = variant == "w8a8" and DENSE_W8A8_ROWS[0] <= m <= DENSE_W8A8_ROWS[1]
+    if not forced and m > 64 and platform() == "cuda" and not w8a8_rows:
         return Choice("xla", reason=_XLA_ABOVE_64.__doc__)
     cap = lambda b, d: max(16, min(b, 1 << max(d - 1, 1).bit_length()))
     if m <= 64:

@@ -351,9 +351,10 @@ def test_entry_points_kernel_vs_xla():
 
 # ------------------------------------------------------------------ selection
 def test_fp8_variant_auto(monkeypatch):
-    """fp8_variant "auto" (the default): W8A8 for expert GEMMs from W8A8_MIN_ROWS_PER_EXPERT rows an
-    expert on CUDA with e4m3fn weights, W8A16 below it, for dense GEMMs, on ROCm / fnuz weights and on
-    CPU; an explicit variant passes through."""
+    """fp8_variant "auto" (the default) on CUDA with e4m3fn weights: expert GEMMs W8A16 below
+    W8A8_MIN_ROWS_PER_EXPERT rows an expert, W8A8 from there, dequantised bf16 from BF16_MIN_ROWS_PER_EXPERT;
+    dense GEMMs W8A8 for DENSE_W8A8_ROWS rows, else W8A16; W8A16 on ROCm / fnuz weights and on CPU; an
+    explicit variant passes through."""
     from moejax import kernel_selection as selection
     from moejax.layers.fp8_policy import Fp8Policy
     FN, FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
@@ -366,7 +367,10 @@ def test_fp8_variant_auto(monkeypatch):
     b = selection.BF16_MIN_ROWS_PER_EXPERT  # prefill sizes: dequantised weights, the bf16 kernel
     assert selection.fp8_variant("auto", 32 * b, 32, FN) == "bf16"
     assert selection.fp8_variant("auto", 32 * b - 1, 32, FN) == "w8a8"
-    assert selection.fp8_variant("auto", 4096, 1, FN) == "w8a16"  # dense
+    lo, hi = selection.DENSE_W8A8_ROWS  # dense: W8A8 kernel in the range, W8A16 (kernel / XLA) outside it
+    assert [selection.fp8_variant("auto", m, 1, FN) for m in (64, lo, hi, hi + 1)] == ["w8a16", "w8a8", "w8a8", "w8a16"]
+    assert selection.select_fp8_linear(lo, 7168, 7168, BF16, FN, "w8a8").impl == "pallas"
+    assert selection.select_fp8_linear(hi + 1, 7168, 7168, BF16, FN, "w8a16").impl == "xla"
     assert selection.fp8_variant("auto", 32 * n, 32, FNUZ) == "w8a16"
     for v in ("w8a16", "w8a8"):
         assert selection.fp8_variant(v, 32, 32, FN) == v
