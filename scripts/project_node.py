@@ -29,17 +29,21 @@ import sys
 # One H200, `scripts/bench_decode.py --preset <p> --kernels auto --fill random` (BENCHMARKS.md):
 # tokens per rank -> (step seconds, preset layers). DeepSeek-V3 with FP8 weights (bf16 does not fit
 # 8 x 141 GB: 671e9 x 2 B / 8 = 168 GB a GPU), Step3 in bf16 (321e9 x 2 B / 8 = 80 GB a GPU).
+# Since 2026-12-05d: the engine's async loop (the default), context 2048 (V3) / 4096 (Step3); scaling a
+# few layers' step to 61 also scales lm_head and sampling (pessimistic by up to ~1 ms x 61 / layers).
 MEASURED = {
     "v3": {"preset": "deepseek-v3-ep8-rank (FP8 weights)", "full_layers": 61, "moe_layers": 58, "hidden": 7168,
-           "points": {64: (32.62e-3, 20, "2026-12-03 FP8 c64"), 256: (73.08e-3, 20, "2026-12-03 FP8 c256"),
-                      1024: (114.27e-3, 12, "2026-12-04 FP8 c1024, 12 layers")},
+           "points": {128: (13.677e-3, 8, "2026-12-05d FP8 c128, 8 layers"),
+                      256: (17.072e-3, 8, "2026-12-05d FP8 c256, 8 layers"),
+                      512: (28.643e-3, 8, "2026-12-05d FP8 c512, 8 layers"),
+                      1024: (114.27e-3, 12, "2026-12-04 FP8 c1024, 12 layers, sync loop")},
            # 256 experts top-8 in 8 groups, at most 4 groups a token (DeepSeek's node-limited routing);
            # with 32 experts a rank each group is one rank: a token reaches at most 4 ranks
            "experts": 256, "top_k": 8, "max_ranks_per_token": 4,
            "targets": "21,224 tok/s per 8x MI300X (SGLang, input 2000, output 100, concurrency 4096); "
                       "22,282 per 8x H100"},
     "step3": {"preset": "step3-ep8-rank (bf16)", "full_layers": 61, "moe_layers": 56, "hidden": 7168,
-              "points": {32: (16.39e-3, 16, "2026-12-02d c32"), 64: (16.34e-3, 16, "2026-12-03c c64"),
+              "points": {32: (3.386e-3, 4, "2026-12-05d c32, 4 layers"), 64: (16.34e-3, 16, "2026-12-03c c64"),
                          256: (34.03e-3, 16, "2026-12-03 c256"), 512: (52.27e-3, 16, "2026-12-03b c512"),
                          1024: (70.81e-3, 12, "2026-12-03c c1024, 12 layers")},
               "experts": 48, "top_k": 3, "max_ranks_per_token": 3,
