@@ -289,9 +289,10 @@ def _XLA_ABOVE_64():
 def select_fp8_linear(m: int, n: int, k: int, dtype, weight_dtype, variant: str = "w8a16",
                       mode: str | None = None) -> Choice:
     """y = x[m, k] @ (W[n, k] * scale)^T: Pallas ``block_scaled_matmul`` or XLA dequantise-then-dot.
-    Decode (m <= 64): one row tile, 128-deep K steps, K split until the programs about fill the GPU
-    (the f32 partials kept under the weight bytes); larger m: 128 x 128 x 64 tiles. Heuristic, not
-    timed yet (scripts/bench_fp8_kernels.py)."""
+    On CUDA the kernel runs up to 64 rows, and W8A8 for DENSE_W8A8_ROWS rows; XLA elsewhere. Decode
+    (m <= 64): one row tile, 128-deep K steps, K split until the programs about fill the GPU (the f32
+    partials kept under the weight bytes); larger m: 128 x 128 x 128 tiles, 8 warps (the H100 sweep's
+    best, benchmarks/2026-12-05d/h100/call1/fp8_tiles.txt)."""
     use, forced = _want_pallas(mode)
     if not use:
         return Choice("xla", reason="mode or platform")
