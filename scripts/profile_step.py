@@ -625,7 +625,10 @@ def profile(a) -> dict:
     cfg = parse_model_config(hf)
     a.output_len = a.warmup + a.steps + 8  # the batch stays full through every step
     t0 = time.perf_counter()
-    m, eng, seqs = build_decode_batch(hf, "none", a.kernels, a, a.weight_dtype)
+    # The synchronous loop: each annotated step is one whole step (with the engine's default async loop a
+    # step's span is the host's call while the device runs the one before, so spans and per-step sums
+    # would not line up); the gaps it shows are the host time the async loop hides.
+    m, eng, seqs = build_decode_batch(hf, "none", a.kernels, a, a.weight_dtype, async_scheduling=False)
     for _ in range(a.warmup):  # compiles the step and the sampler
         kind, _ = eng.step()
         assert kind == "decode", kind
