@@ -55,7 +55,7 @@ sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 import moejax.layers.mfa as mfa_mod  # noqa: E402
 import moejax.layers.mla as mla_mod  # noqa: E402
-from moejax.benchmark.decode_setup import weight_kw  # noqa: E402
+from moejax.benchmark.decode_setup import bench_hf_config, weight_kw  # noqa: E402
 from moejax.benchmark.roofline import measure_matmul_rate, time_call  # noqa: E402
 from moejax.config import EngineConfig  # noqa: E402
 from moejax.engine.model_runner import next_pow2, packed_bucket  # noqa: E402
@@ -64,7 +64,6 @@ from moejax.layers.linear import einsum_f32  # noqa: E402
 from moejax.layers.prefill_attention import prefill_attention, xla_prefill_attention  # noqa: E402
 from moejax.models.registry import abstract_params, parse_model_config  # noqa: E402
 from moejax.tiny.checkpoint import random_params  # noqa: E402
-from moejax.tiny.presets import preset, with_layers  # noqa: E402
 from moejax.tiny.random_model import random_device_params, random_model  # noqa: E402
 from moejax.weights.param_tree import flatten, is_stacked_expert  # noqa: E402
 from pallas_kernels.flash_prefill_attention import flash_prefill_attention  # noqa: E402
@@ -291,9 +290,7 @@ def run_mixed(m, cfg, lens: list[int], dtype, iters: int, warmup: int) -> dict:
 
 
 def bench_preset(name: str, a_args, rate: float, results: dict, save) -> None:
-    hf = preset(name)
-    if a_args.layers:
-        hf = with_layers(hf, a_args.layers)
+    hf = bench_hf_config(name, a_args.layers)
     cfg = parse_model_config(hf)
     dtype = jnp.dtype(a_args.dtype)
     for wd in a_args.weight_dtype.split(","):
@@ -303,14 +300,15 @@ def bench_preset(name: str, a_args, rate: float, results: dict, save) -> None:
 def bench_weights(name, hf, cfg, dtype, wd: str, a_args, rate: float, results: dict, save) -> None:
     """Every point and path of one preset with one weight format (``wd``: a --weight-dtype item)."""
     t0 = time.perf_counter()
-    fp8 = EngineConfig.create(cfg, **weight_kw(wd)).fp8
+    wkw = weight_kw(wd)
+    fp8 = EngineConfig.create(cfg, **wkw).fp8
     if a_args.smoke and wd == "bf16":  # NumPy weights: no per-leaf compilation on the CPU
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), random_params(cfg))
     else:
         params = random_device_params(cfg, a_args.dtype, fp8=fp8)
     m = random_model(hf, a_args.dtype, params=params, kernels="xla", max_model_len=min(cfg.max_position_embeddings,
                                                                                        4096),
-                     fp8_variant=a_args.fp8_variant, **weight_kw(wd))
+                     fp8_variant=a_args.fp8_variant, **wkw)
     a = attention_shapes(cfg)
     print(f"\n{name}: {cfg.num_hidden_layers} layers, {a['H']} heads over {a['Hk']} K/V heads, "
           f"qk {a['Dk']}+{a['R']}, v {a['Dv']}, {wd} weights (made in {time.perf_counter() - t0:.0f} s)")
@@ -356,7 +354,7 @@ def bench_weights(name, hf, cfg, dtype, wd: str, a_args, rate: float, results: d
             if path == "full" and scores_gb > a_args.full_limit_gb:
                 pr["paths"][key] = {"skipped": f"its f32 scores alone are {scores_gb:.0f} GB "
                                                 f"(> --full-limit-gb {a_args.full_limit_gb})"}
-                print(f"  {point:>8} [{key:>6}]: skipped ({pr['paths'][path]['skipped']})")
+                print(f"  {point:>8} [{key:>6}]: skipped ({pr['paths'][key]['skipped']})")
                 continue
             try:
                 r = run_point(m, cfg, B, S, path, a, dtype, a_args.iters, a_args.warmup, outputs)

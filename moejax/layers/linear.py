@@ -42,19 +42,14 @@ class Linear(nn.Module):
         else:
             self.weight, self.weight_scale_inv = fp8_param(self, "weight", shape, self.fp8.block)
 
-    def __call__(self, x):
-        if self.fp8 is not None:
-            return fp8_linear(x.astype(self.dtype), self.weight, self.weight_scale_inv, self.fp8.variant)
-        return jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight)
-
-    def f32(self, x):
-        """The product in float32 straight from the GEMM (its f32 accumulator, not rounded to the weight's
-        dtype and converted back: for lm_head over 129k tokens of vocabulary at 512 rows that saves a
-        pass over 400 MB)."""
+    def __call__(self, x, out_dtype=None):
+        """``out_dtype`` (default the weight's dtype): the GEMM's output dtype; float32 takes the f32
+        accumulator as it is (for lm_head over 129k tokens of vocabulary at 512 rows, a bf16 result
+        converted afterwards costs a pass over 400 MB)."""
         if self.fp8 is not None:
             return fp8_linear(x.astype(self.dtype), self.weight, self.weight_scale_inv, self.fp8.variant,
-                              out_dtype=jnp.float32)
-        return jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight, preferred_element_type=jnp.float32)
+                              out_dtype=out_dtype)
+        return jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight, preferred_element_type=out_dtype)
 
 
 class Embedding(nn.Module):

@@ -106,4 +106,4 @@ class MFA(nn.Module):
         cache = write_cache(cache, self.layer, slots, self._kv_row(x, positions))
         ctx = mfa_decode_attention(q, cache, block_tables, seq_lens, block_size, c.softmax_scale,
                                    c.num_attention_groups, layer=self.layer, out_dtype=x.dtype)
-        return self.o_proj(ctx.astype(x.dtype).reshape(x.shape[0], -1)), cache
+        return self.o_proj(ctx.reshape(x.shape[0], -1)), cache

@@ -141,5 +141,5 @@ class MLA(nn.Module):
         q_latent = einsum_f32("bhn,hnc->bhc", q_nope, w_uk)
         ctx = mla_decode_attention(q_latent.astype(x.dtype), q_rope, cache, block_tables,
                                    seq_lens, block_size, c.softmax_scale, layer=self.layer, out_dtype=x.dtype)
-        o = jnp.einsum("bhc,hvc->bhv", ctx.astype(x.dtype), w_uv)
+        o = jnp.einsum("bhc,hvc->bhv", ctx, w_uv)
         return self.o_proj(o.reshape(x.shape[0], -1)), cache

@@ -143,7 +143,7 @@ class CausalLM(nn.Module):
         return h, cache
 
     def logits(self, h):
-        return self.lm_head.f32(self.norm(h))
+        return self.lm_head(self.norm(h), jnp.float32)
 
     def __call__(self, tokens):
         """Used only to create parameters (init)."""

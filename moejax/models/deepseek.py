@@ -271,7 +271,7 @@ class SharedHead(nn.Module):
         self.head = Linear(c.hidden_size, c.vocab_size, self.dtype, self.fp8.scheme("lm_head"))
 
     def __call__(self, h):
-        return self.head.f32(self.norm(h))
+        return self.head(self.norm(h), jnp.float32)
 
 
 class MTPLayer(DecoderLayer):
