@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import jax
@@ -31,6 +32,8 @@ import jax.numpy as jnp
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul
 from pallas_kernels.fused_moe import fused_moe
 from pallas_kernels.fused_moe_fp8 import fused_moe_fp8
+from pallas_kernels import jax_triton_compat
+from pallas_kernels.triton_block_fp8 import block_fp8_matmul, fused_moe_block_fp8
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 
 KERNEL_MODES = ("auto", "pallas", "xla")
@@ -322,6 +325,40 @@ def select_fp8_linear(m: int, n: int, k: int, dtype, weight_dtype, variant: str 
     return Choice("pallas", dict(p, variant=variant, weight_format=fmt), "forced" if forced else "gpu")
 
 
+W8A8_KERNELS = ("auto", "triton", "pallas")
+W8A8_KERNEL_ENV = "MOEJAX_W8A8_KERNEL"
+
+
+def w8a8_kernel() -> str:
+    """Which kernels run W8A8 (fp8 x fp8) GEMMs on CUDA: "triton" (pallas_kernels/triton_block_fp8.py,
+    the Triton language through jax-triton: vLLM's block-FP8 design) where jax-triton is installed,
+    else "pallas" (fused_moe_fp8 / block_scaled_matmul). ``MOEJAX_W8A8_KERNEL=pallas|triton`` forces one
+    (measuring; "triton" without jax-triton raises at the first call, naming the install)."""
+    want = os.environ.get(W8A8_KERNEL_ENV, "auto")
+    if want not in W8A8_KERNELS:
+        raise ValueError(f"{W8A8_KERNEL_ENV} must be one of {W8A8_KERNELS}, got {want!r}")
+    if want != "auto":
+        return want
+    return "triton" if platform() == "cuda" and jax_triton_compat.available()[0] else "pallas"
+
+
+def triton_moe_params(num_rows: int, num_experts: int) -> dict:
+    """Tiles of the Triton W8A8 fused MoE (pallas_kernels/triton_block_fp8.py) by rows an expert: the
+    row tile covers an expert's rows at decode (weights stream once), 64-row tiles above (vLLM's
+    block-FP8 configs for the DeepSeek-V3 expert shapes on H100 use 64 x 128 x 128, 4 warps), 128
+    rows and 8 warps at prefill sizes."""
+    per_expert = num_rows / max(num_experts, 1)
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 512 else 128
+    return dict(block_m=bm, block_n_down=128, num_warps=8 if bm >= 128 else 4, num_stages=3)
+
+
+def triton_gemm_params(m: int, n: int, k: int) -> dict:
+    """Tiles of the Triton W8A8 dense GEMM: 64 x 128 x 128, 4 warps, grouped launch (the best of the
+    torch-Triton probe at M 128-2048, N = K = 7168 on an H100, benchmarks/2026-12-05c/h100/fp8_probe)."""
+    bm = max(16, min(64, 1 << max(m - 1, 0).bit_length()))
+    return dict(block_m=bm, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=3)
+
+
 def grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, variant: str = "w8a16",
                     mode: str | None = None, weight_format: str | None = None):
     """Block-FP8 routed-expert MLP through the selected Pallas kernel; None when XLA should run."""
@@ -330,6 +367,10 @@ def grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s
     c = select_moe_fp8(N, E, H, I, x_sorted.dtype, w_gate.dtype, variant, mode)
     if c.impl != "pallas":
         return None
+    if variant == "w8a8" and (weight_format or c.params["weight_format"]) == "e4m3fn" and platform() != "cpu" \
+            and w8a8_kernel() == "triton":
+        return fused_moe_block_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down,
+                                   **triton_moe_params(N, E))
     p = dict(c.params, weight_layout="nk", **({"weight_format": weight_format} if weight_format else {}))
     return fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, **p)
 
@@ -341,6 +382,10 @@ def fp8_linear(x2, w, scale, variant: str = "w8a16", out_dtype=None, mode: str |
     c = select_fp8_linear(M, w.shape[0], K, x2.dtype, w.dtype, variant, mode)
     if c.impl != "pallas":
         return None
+    if variant == "w8a8" and (weight_format or c.params["weight_format"]) == "e4m3fn" and platform() != "cpu" \
+            and w8a8_kernel() == "triton":
+        return block_fp8_matmul(x2, w, scale, out_dtype=jnp.dtype(out_dtype or x2.dtype),
+                                **triton_gemm_params(M, w.shape[0], K))
     p = dict(c.params, **({"weight_format": weight_format} if weight_format else {}))
     return block_scaled_matmul(x2, w, scale, out_dtype=jnp.dtype(out_dtype or x2.dtype), **p)
 

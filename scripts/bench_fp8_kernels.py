@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import itertools
 import json
 import sys
@@ -40,10 +41,18 @@ from moejax.layers.fp8_linear import dequantize_fp8, fp8_linear_xla  # noqa: E40
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul  # noqa: E402
 from pallas_kernels.fused_moe import fused_moe  # noqa: E402
 from pallas_kernels.fused_moe_fp8 import fused_moe_fp8  # noqa: E402
+from pallas_kernels.jax_triton_compat import available as triton_available  # noqa: E402
+from pallas_kernels.triton_block_fp8 import block_fp8_matmul, fused_moe_block_fp8  # noqa: E402
 
 BF16, FP8 = jnp.bfloat16, jnp.float8_e4m3fn
 PROJECTIONS = {"q_a": (7168, 1536), "q_b": (1536, 24576), "kv_a": (7168, 576), "o_proj": (16384, 7168)}  # in, out
 ROWS: list[dict] = []
+TRITON = False  # the Triton (jax-triton) W8A8 kernels are timed: set in main
+
+
+def _has_triton_interpreter() -> bool:
+    """triton and torch installed (not imported: Triton's interpreter is chosen at its first import)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("triton", "torch"))
 
 
 def quantize_fp8(w, block: int = 128):
@@ -76,6 +85,18 @@ def fmt_t(t):
     return f"{t * 1e6:9.1f}" if t else "   failed"
 
 
+def triton_moe_grid(sweep: bool):
+    """Tiles of the Triton W8A8 fused MoE (``tri``): the selected one first, with --sweep the rest."""
+    return [None] + ([dict(block_m=bm, block_n_down=bn2, num_warps=nw, num_stages=ns)
+                      for bm, bn2, nw, ns in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 4))]
+                     if sweep else [])
+
+
+def triton_gemm_grid(sweep: bool):
+    return [None] + ([dict(block_m=bm, block_n=128, block_k=128, group_m=8, num_warps=nw, num_stages=ns)
+                      for bm, nw, ns in itertools.product((16, 32, 64, 128), (4, 8), (3, 4))] if sweep else [])
+
+
 def moe_grid():
     """Alternatives for --sweep (decode-sized tiles: the weights stream): wide K steps, the two column
     widths, 4 / 8 warps."""
@@ -91,7 +112,7 @@ LAYOUT_CASES = [("a16kn", dict(variant="w8a16", weight_layout="kn"), False),
                 ("f16nk", dict(variant="w8a16", compute_dtype="float16", weight_layout="nk"), True)]
 
 
-def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False):
+def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False, triton_sweep=False):
     E, H, I = (4, 256, 192) if smoke else (32, 7168, 2048)
     k = jax.random.split(jax.random.key(0), 4)
     qs = [quantize_fp8(jax.random.normal(kk, shape, jnp.float32) * 0.02) for kk, shape in
@@ -126,6 +147,15 @@ def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False):
                 f = jax.jit(functools.partial(fused_moe_fp8, **c, weight_layout="nk", interpret=interpret))
                 tt, y = timed(f, x, gs, *nk, iters=iters, warmup=warmup)
                 cases.append((variant if i == 0 else variant[-3:] + "*", tt, y, c))
+        if TRITON:
+            from moejax.kernel_selection import triton_moe_params
+            for i, c in enumerate(triton_moe_grid(triton_sweep)):
+                c = c or triton_moe_params(N, E)
+                if c["block_m"] > 16 * max(t, 1) * 8:  # tiles far taller than an expert's rows: skip
+                    continue
+                f = jax.jit(functools.partial(fused_moe_block_fp8, **c))
+                tt, y = timed(f, x, gs, *nk, iters=iters, warmup=warmup)
+                cases.append(("tri" if i == 0 else "tri*", tt, y, c))
         if layouts:  # the same weights as [E, in, out], and the f16 dot
             for label, extra, is_nk in LAYOUT_CASES:
                 with kernel_mode("pallas"):
@@ -140,7 +170,7 @@ def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False):
                     cases.append((label if i == 0 else label + "*", tt, y, c))
         ref8 = jax.jit(functools.partial(grouped_mlp_fp8_xla, variant="w8a8"))(x, gs, *nk)
         for name, tt, y, c in cases:  # W8A8 against the XLA path with the same activation quantisation
-            ref = ref8 if name.startswith(("w8a8", "a8")) else (y_x if t_x else None)
+            ref = ref8 if name.startswith(("w8a8", "a8", "tri")) else (y_x if t_x else None)
             err = rel(y, ref) if (tt and ref is not None) else float("nan")
             r = dict(kind="moe", tokens_per_expert=t, rows=N, path=name, us=tt and tt * 1e6,
                      fp8_tbps=tt and fp8_bytes / tt / 1e12, floor_us=floor * 1e6, err_vs_xla=err, params=c)
@@ -154,7 +184,7 @@ def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False):
                   f"{ratio_x} {err:10.2e}  {c if name not in ('xla',) else ''}")
 
 
-def run_gemm(ms, bw, smoke, interpret, iters, warmup):
+def run_gemm(ms, bw, smoke, interpret, iters, warmup, sweep=False):
     shapes = {"tiny": (320, 192)} if smoke else PROJECTIONS
     print("\n== block-scaled GEMM: y = x @ (W * s)^T, W [out, in] e4m3fn, 128x128 scales ==")
     print(f"{'proj':>6} {'in':>6} {'out':>6} {'M':>5} {'path':>6} {'us':>9} {'FP8 TB/s':>8} {'floor us':>8} "
@@ -177,9 +207,16 @@ def run_gemm(ms, bw, smoke, interpret, iters, warmup):
                 f = jax.jit(functools.partial(block_scaled_matmul, **p, interpret=interpret))
                 tt, y = timed(f, x, w, s, iters=iters, warmup=warmup)
                 cases.append((variant, tt, y, p))
+            if TRITON:
+                from moejax.kernel_selection import triton_gemm_params
+                for i, c in enumerate(triton_gemm_grid(sweep)):
+                    c = c or triton_gemm_params(M, Nout, K)
+                    f = jax.jit(functools.partial(block_fp8_matmul, **c))
+                    tt, y = timed(f, x, w, s, iters=iters, warmup=warmup)
+                    cases.append(("tri" if i == 0 else "tri*", tt, y, c))
             y_x8 = jax.jit(functools.partial(fp8_linear_xla, variant="w8a8"))(x, w, s)
             for path, tt, y, c in cases:
-                err = rel(y, y_x8 if path == "w8a8" else y_x) if (tt and t_x) else float("nan")
+                err = rel(y, y_x8 if path in ("w8a8", "tri", "tri*") else y_x) if (tt and t_x) else float("nan")
                 ROWS.append(dict(kind="gemm", proj=name, K=K, N=Nout, M=M, path=path, us=tt and tt * 1e6,
                                  fp8_tbps=tt and fp8_bytes / tt / 1e12, floor_us=floor * 1e6, err_vs_xla=err,
                                  params=c))
@@ -198,6 +235,8 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128, 512], help="MoE tokens per expert")
     ap.add_argument("--m", type=int, nargs="+", default=[64, 256, 1024], help="GEMM rows")
     ap.add_argument("--sweep", action="store_true", help="also time alternative MoE FP8 block sizes")
+    ap.add_argument("--triton-sweep", action="store_true",
+                    help="also time alternative tiles of the Triton (jax-triton) W8A8 kernels")
     ap.add_argument("--layouts", action="store_true",
                     help="also the MoE with [E, in, out] weights (the layout before 2026-12-03f) and with the f16 dot")
     ap.add_argument("--iters", type=int, default=20)
@@ -213,15 +252,19 @@ def main():
               "Run this on the GPU machine, or pass --smoke to check the script with tiny shapes.")
         return 0
     interpret = plat == "cpu"
+    global TRITON
+    ok, why = triton_available() if plat != "cpu" else (False, "on CPU: Triton's interpreter (--smoke only)")
+    TRITON = ok or a.smoke and _has_triton_interpreter()
+    print("Triton W8A8 kernels (path 'tri'): " + ("timed" if TRITON else f"not timed: {why}"))
     iters, warmup = (2, 1) if a.smoke else (a.iters, 3)
     if a.smoke:
         a.tokens, a.m, a.sweep, a.layouts = [3], [5], False, True
     bw = measure_copy_bandwidth(1 << 20) if a.smoke else measure_copy_bandwidth()
     print(f"measured: copy {bw / 1e12:.2f} TB/s (read + write)")
     if a.only in (None, "moe"):
-        run_moe(a.tokens, bw, a.smoke, interpret, a.sweep, iters, warmup, a.layouts)
+        run_moe(a.tokens, bw, a.smoke, interpret, a.sweep, iters, warmup, a.layouts, a.triton_sweep)
     if a.only in (None, "gemm"):
-        run_gemm(a.m, bw, a.smoke, interpret, iters, warmup)
+        run_gemm(a.m, bw, a.smoke, interpret, iters, warmup, a.triton_sweep)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(jax=jax.__version__, device=dev.device_kind, copy_tbps=bw / 1e12, rows=ROWS), f, indent=1,

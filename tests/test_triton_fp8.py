@@ -1,0 +1,90 @@
+"""The Triton-language W8A8 kernels (pallas_kernels/triton_block_fp8.py) against float64 NumPy
+references with the same activation quantisation: on CPU in Triton's interpreter (needs ``triton`` and
+``torch`` installed: ``pip install 'moejax[triton]' torch``; skipped otherwise, said in the skip
+reason), on a GPU through jax-triton (``pytest tests/test_triton_fp8.py`` on the device machine).
+
+Seeds as in test_fp8_kernels.py (MOEJAX_TEST_SEED replays a failure)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.weights.fp8 import dequantize_block_fp8, quantize_block_fp8
+from pallas_kernels.jax_triton_compat import available
+from pallas_kernels.triton_block_fp8 import block_fp8_matmul, fused_moe_block_fp8
+from test_fp8_kernels import BF16, hf_weight, moe_case, moe_ref, np_act_qdq, rel_err, seed_for, where
+
+ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
+if ON_GPU:
+    _ok, _why = available()
+    pytestmark = pytest.mark.skipif(not _ok, reason=_why)
+else:
+    pytestmark = pytest.mark.skipif(
+        any(importlib.util.find_spec(m) is None for m in ("triton", "torch")),
+        reason="Triton's interpreter needs triton and torch (CPU); not installed here")
+
+GEMM_CASES = [  # M, K, N, (block_m, block_n, block_k)
+    (5, 300, 200, (16, 64, 64)),       # every dim cut by the edge, 2-3 scale blocks, 2 K steps a block
+    (40, 256, 384, (32, 128, 128)),    # aligned
+    (70, 48, 130, (16, 128, 128)),     # K below one K step, N just past a block, 5 row tiles
+]
+
+
+@pytest.mark.parametrize("case", range(len(GEMM_CASES)))
+def test_block_fp8_matmul_matches_reference(case):
+    M, K, N, (bm, bn, bk) = GEMM_CASES[case]
+    seed = seed_for("triton-mm", case)
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((M, K)) * np.exp(rng.uniform(-1, 1, (M, 1))), BF16)
+    q, s = quantize_block_fp8(hf_weight(rng, N, K))
+    d = dequantize_block_fp8(q, s, (128, 128)).astype(np.float64)
+    ref = np_act_qdq(np.asarray(x, np.float64)) @ d.T
+    y = block_fp8_matmul(x, jnp.asarray(q), jnp.asarray(s), out_dtype=jnp.float32, block_m=bm, block_n=bn,
+                         block_k=bk, group_m=2)
+    assert y.shape == (M, N) and y.dtype == jnp.float32
+    err = rel_err(y, ref)
+    # same operands, f32 accumulation; the GPU's tensor cores sum each 128-deep FP8 step at their own
+    # precision (Triton's sm_90 default, as in vLLM), so a looser bound there
+    assert err < (2e-3 if ON_GPU else 1e-5), f"rel err {err:.2e}, {where(seed)}"
+    if case == 1:
+        yb = block_fp8_matmul(x, jnp.asarray(q), jnp.asarray(s), block_m=bm, block_n=bn, block_k=bk)
+        assert yb.dtype == BF16 and rel_err(yb, ref) < 5e-3, where(seed)
+
+
+MOE_CASES = [  # N, H, I, group sizes, (block_m, block_k, block_n_down)
+    (13, 200, 136, [3, 0, 7, 2], (16, 64, 64)),      # odd H, I (cut scale blocks), empty expert, a spare row
+    (40, 256, 256, [0, 17, 0, 23], (16, 128, 128)),  # aligned
+    (70, 136, 264, [0, 33, 0, 20, 17], (32, 64, 128)),  # 3 cut blocks of I, several tiles an expert
+]
+
+
+@pytest.mark.parametrize("case", range(len(MOE_CASES)))
+def test_fused_moe_block_fp8_matches_reference(case):
+    N, H, I, gs, (bm, bk, bn2) = MOE_CASES[case]
+    seed = seed_for("triton-moe", case)
+    x, g_sz, (qg, sg, dg), (qu, su, du), (qd, sd, dd) = moe_case(seed, N, H, I, gs)
+    nk = [jnp.asarray(np.swapaxes(a, 1, 2)) for a in (qg, sg, qu, su, qd, sd)]  # HF's [E, out, in]
+    y = fused_moe_block_fp8(x, g_sz, *nk, block_m=bm, block_k=bk, block_n_down=bn2)
+    n = sum(gs)
+    assert y.shape == (N, H) and y.dtype == jnp.float32
+    assert not np.any(np.asarray(y[n:])), where(seed)  # rows outside the groups: zeros
+    err = rel_err(y[:n], moe_ref(x, gs, dg, du, dd, a8=True)[:n])
+    # h's requantisation may flip a few codes by one step (as the Pallas W8A8 kernel's bound)
+    assert err < 1e-2, f"rel err {err:.2e}, {where(seed)}"
+
+
+def test_bad_shapes_name_the_field():
+    rng = np.random.default_rng(0)
+    q, s = quantize_block_fp8(hf_weight(rng, 64, 96))
+    x = jnp.ones((4, 96), BF16)
+    with pytest.raises(ValueError, match="w's scale"):
+        block_fp8_matmul(x, jnp.asarray(q), jnp.asarray(s[:, :0]))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        block_fp8_matmul(x, jnp.asarray(q, jnp.float32), jnp.asarray(s))
+    with pytest.raises(ValueError, match="block_k"):
+        block_fp8_matmul(x, jnp.asarray(q), jnp.asarray(s), block_k=256)
