@@ -88,3 +88,38 @@ def test_bad_shapes_name_the_field():
         block_fp8_matmul(x, jnp.asarray(q, jnp.float32), jnp.asarray(s))
     with pytest.raises(ValueError, match="block_k"):
         block_fp8_matmul(x, jnp.asarray(q), jnp.asarray(s), block_k=256)
+
+
+def test_selection_routes_w8a8_to_triton(monkeypatch):
+    """On CUDA with jax-triton, W8A8 expert and dense GEMMs run the Triton kernels (here in the
+    interpreter, with the platform patched to "cuda") and give the reference's numbers;
+    MOEJAX_W8A8_KERNEL=pallas keeps the Pallas kernels; W8A16 never goes to Triton."""
+    from moejax import kernel_selection as selection
+    from pallas_kernels import triton_block_fp8
+
+    calls = []
+    for name in ("fused_moe_block_fp8", "block_fp8_matmul"):
+        real = getattr(triton_block_fp8, name)
+        monkeypatch.setattr(selection, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    monkeypatch.setattr(selection, "platform", lambda: "cuda")
+    monkeypatch.setattr(selection.jax_triton_compat, "available", lambda: (True, ""))
+    assert selection.w8a8_kernel() == "triton"
+    N, H, I, gs = 40, 256, 256, [0, 17, 0, 23]
+    seed = seed_for("triton-route")
+    x, g_sz, (qg, sg, dg), (qu, su, du), (qd, sd, dd) = moe_case(seed, N, H, I, gs)
+    nk = [jnp.asarray(np.swapaxes(a, 1, 2)) for a in (qg, sg, qu, su, qd, sd)]
+    with selection.kernel_mode("auto"):
+        y = selection.grouped_mlp_fp8(x, g_sz, *nk, variant="w8a8")
+        assert calls == ["fused_moe_block_fp8"]
+        assert rel_err(y[:40], moe_ref(x, gs, dg, du, dd, a8=True)[:40]) < 1e-2, where(seed)
+        q, s = quantize_block_fp8(hf_weight(np.random.default_rng(seed), 384, 256))
+        yd = selection.fp8_linear(x, jnp.asarray(q), jnp.asarray(s), "w8a8", jnp.float32, mode="pallas")
+        assert calls[-1] == "block_fp8_matmul"
+        d = dequantize_block_fp8(q, s, (128, 128)).astype(np.float64)
+        assert rel_err(yd, np_act_qdq(np.asarray(x, np.float64)) @ d.T) < 1e-5, where(seed)
+        assert selection.grouped_mlp_fp8(x, g_sz, *nk, variant="w8a16") is not None and len(calls) == 2
+        monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "pallas")
+        assert selection.grouped_mlp_fp8(x, g_sz, *nk, variant="w8a8") is not None and len(calls) == 2
+        monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "cutlass")
+        with pytest.raises(ValueError, match=selection.W8A8_KERNEL_ENV):
+            selection.w8a8_kernel()

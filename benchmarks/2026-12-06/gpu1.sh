@@ -7,11 +7,11 @@ set -u
 R=/tmp/r1; mkdir -p $R; OUT0=$OUT
 pack() { tar czf $OUT0/r.tgz -C /tmp r1; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > $R/gpu.txt
-pip install --no-deps .whl/jax_triton-0.3.1-py3-none-any.whl > $R/pip.txt 2>&1
+python3 -m pip install --no-deps .whl/jax_triton-0.3.1-py3-none-any.whl > $R/pip.txt 2>&1
 python3 -c "import jax_triton, triton, jax; print(jax_triton.__version__, triton.__version__, jax.__version__)" >> $R/pip.txt 2>&1
 export PYTHONPATH=$PWD MOEJAX_PALLAS_INTERPRET=0 PYTHONUNBUFFERED=1
 run() { local name=$1 t=$2; shift 2; timeout $t "$@" > $R/$name.txt 2>&1; echo "$name rc=$?"; pack; }
-run pytest 150 python3 -m pytest -q -o addopts="" tests/test_triton_fp8.py
+run pytest 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -o addopts="" tests/test_triton_fp8.py
 run kern 240 python3 scripts/bench_fp8_kernels.py --tokens 16 64 128 512 --m 128 512 2048 --triton-sweep --iters 20 \
   --json $R/kern.json
 B="python3 scripts/bench_decode.py --preset deepseek-v3-ep8-rank --layers 4 --fill random --kernels auto --steps 10"
