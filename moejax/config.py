@@ -132,8 +132,8 @@ class EngineConfig:
         128x128 are re-blocked to 128x128 on load, with a warning giving the measured error), "fp8" also
         quantises a bf16 checkpoint to 128x128 blocks on load, "bf16" dequantises (the model dtype).
         ``fp8_layers``: the layer types that run FP8 when weights are FP8 (moejax/layers/fp8_policy.py;
-        "default" or a comma list). ``fp8_variant``: "auto" (W8A8 for expert GEMMs
-        from kernel_selection.W8A8_MIN_ROWS_PER_EXPERT rows an expert on CUDA, W8A16 elsewhere), "w8a16" or "w8a8".
+        "default" or a comma list). ``fp8_variant``: "auto" (on CUDA, W8A8 for expert GEMMs from
+        kernel_selection.MOE_FP8_THRESHOLDS rows an expert, W8A16 elsewhere), "w8a16" or "w8a8".
         ``gpu_memory_utilization`` (0, 1]: the share of device memory the cache is sized to fill when
         ``num_kv_blocks`` is None. ``max_preemptions``: how often a sequence may be preempted before
         it is finished with an error. ``scheduling_policy``: "prefill-first", "interleave:N" or

@@ -33,7 +33,7 @@ from pallas_kernels.block_scaled_matmul import block_scaled_matmul
 from pallas_kernels.fused_moe import fused_moe
 from pallas_kernels.fused_moe_fp8 import fused_moe_fp8
 from pallas_kernels import jax_triton_compat
-from pallas_kernels.triton_block_fp8 import block_fp8_matmul, fused_moe_block_fp8
+from pallas_kernels.triton_block_fp8 import fused_moe_block_fp8
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 
 KERNEL_MODES = ("auto", "pallas", "xla")
@@ -213,18 +213,21 @@ def _fp8_weight_format(weight_dtype, variant: str) -> tuple[str | None, str]:
     return (None, "w8a8 needs compute capability 8.9+") if variant == "w8a8" else ("e4m3fn_bits", "")
 
 
-# Rows an expert from which the W8A8 fused MoE (FP8 x FP8 dots on wgmma, pallas_kernels/triton_fp8_dots.py)
-# beats W8A16. H100, V3 EP8-rank expert share (32 experts, 7168 -> 2048): 128 rows an expert W8A8 1469 us
-# vs W8A16 1844 us (bf16 kernel 1489 us), 16 rows 844 vs 821 us (a tie: weight reads bound it)
-# (benchmarks/2026-12-05c/h100/fp8_probe.txt); 64 rows W8A8 1338 us vs the bf16 kernel 1821 us with the
-# 128 x 128 down tiles (benchmarks/2026-12-05d/h100/call1/fp8_tiles.txt).
-W8A8_MIN_ROWS_PER_EXPERT = 64
-# Rows an expert from which "auto" dequantises FP8 expert weights in the step and runs the bf16 kernel
-# ("bf16 where it wins"): the W8A8 kernel's tiles fall behind the bf16 kernel's at prefill sizes (V3 EP8
-# rank, 8 x 2048 prompts = 4096 rows an expert: FP8 prefill 0.65x bf16, benchmarks/2026-12-05d/h100/
-# call1/prefill_fp8.txt), while dequantising costs one pass over the weights (about 1.7 ms a layer on
-# the H100 against ~5 ms of bf16 expert GEMM at 1024 rows an expert).
-BF16_MIN_ROWS_PER_EXPERT = 1024
+# Rows an expert from which W8A8 experts beat W8A16, and from which FP8 expert weights are instead
+# dequantised in the step for the bf16 kernel ("bf16 where it wins"), per W8A8 kernel family
+# (``w8a8_kernel``). Pallas (fused_moe_fp8): H100, V3 EP8-rank expert share (32 experts, 7168 -> 2048),
+# 128 rows an expert W8A8 1469 us vs W8A16 1844 us (bf16 kernel 1489 us), 16 rows 844 vs 821 us (a tie:
+# weight reads bound it) (benchmarks/2026-12-05c/h100/fp8_probe.txt); 64 rows 1338 vs the bf16 kernel's
+# 1821 us (benchmarks/2026-12-05d/h100/call1/fp8_tiles.txt); its tiles fall behind the bf16 kernel's at
+# prefill sizes (8 x 2048 prompts = 4096 rows an expert: FP8 prefill 0.65x bf16, benchmarks/2026-12-05d/
+# h100/call1/prefill_fp8.txt), while dequantising costs one pass over the weights (~1.7 ms a layer on the
+# H100 against ~5 ms of bf16 expert GEMM at 1024 rows an expert).
+# Triton (triton_block_fp8.fused_moe_block_fp8, H100, same shapes, benchmarks/2026-12-06/h100/call2/
+# kern.txt): 16 rows 683 us vs W8A16 767 and the bf16 kernel 1133; 64 rows 784 vs the Pallas W8A8 862 and
+# bf16 1464; 128 rows 999 vs 1310 / 1412; 512 rows 2980 vs 4169 / 3900 (1.31x bf16): W8A8 from 16 rows
+# an expert, and no dequantised-bf16 range (the Triton kernel gains on bf16 as rows grow).
+MOE_FP8_THRESHOLDS = {"pallas": (64, 1024), "triton": (16, None)}  # family: (W8A8 from, bf16 from or None)
+W8A8_MIN_ROWS_PER_EXPERT, BF16_MIN_ROWS_PER_EXPERT = MOE_FP8_THRESHOLDS["pallas"]  # (the Pallas family's)
 # Rows of a dense FP8 projection for which "auto" runs the W8A8 kernel (128 x 128 x 128 tiles, 8 warps)
 # instead of XLA's dequantise-then-dot, whose weight pass (fp8 read, bf16 written and read again) cost
 # ~1.7 ms of a 4-layer V3 EP8-rank step at 512 x 2048 (the FP8 profile's convert fusions): that step
@@ -237,9 +240,9 @@ DENSE_W8A8_ROWS = (256, 2048)
 
 def fp8_variant(variant: str, rows: int, groups: int, weight_dtype) -> str:
     """The FP8 scheme a GEMM runs: ``variant`` as given unless "auto". "auto" on CUDA, for grouped expert
-    GEMMs: W8A16 below W8A8_MIN_ROWS_PER_EXPERT rows an expert (weight-read bound), W8A8 from there (FP8
-    dots on the tensor cores), "bf16" (weights dequantised in the step, the bf16 kernel) from
-    BF16_MIN_ROWS_PER_EXPERT; dense projections: W8A8 for DENSE_W8A8_ROWS rows, W8A16 otherwise (the
+    GEMMs: W8A16 below the W8A8 kernel family's threshold in rows an expert (MOE_FP8_THRESHOLDS; weight-read
+    bound), W8A8 from there (FP8 dots on the tensor cores), "bf16" (weights dequantised in the step, the bf16
+    kernel) from the family's bf16 threshold, where it has one; dense projections: W8A8 for DENSE_W8A8_ROWS rows, W8A16 otherwise (the
     Pallas kernel up to 64 rows, XLA's dequantise-then-dot above). W8A16 everywhere on ROCm (fnuz weights
     take no FP8 dot in Pallas-Triton) and CPU."""
     if variant != "auto":
@@ -250,9 +253,10 @@ def fp8_variant(variant: str, rows: int, groups: int, weight_dtype) -> str:
         lo, hi = DENSE_W8A8_ROWS
         return "w8a8" if lo <= rows <= hi else "w8a16"
     per_expert = rows / groups
-    if per_expert >= BF16_MIN_ROWS_PER_EXPERT:
+    w8a8_from, bf16_from = MOE_FP8_THRESHOLDS[w8a8_kernel()]
+    if bf16_from is not None and per_expert >= bf16_from:
         return "bf16"
-    return "w8a8" if per_expert >= W8A8_MIN_ROWS_PER_EXPERT else "w8a16"
+    return "w8a8" if per_expert >= w8a8_from else "w8a16"
 
 
 def select_moe_fp8(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, weight_dtype,
@@ -330,9 +334,11 @@ W8A8_KERNEL_ENV = "MOEJAX_W8A8_KERNEL"
 
 
 def w8a8_kernel() -> str:
-    """Which kernels run W8A8 (fp8 x fp8) GEMMs on CUDA: "triton" (pallas_kernels/triton_block_fp8.py,
-    the Triton language through jax-triton: vLLM's block-FP8 design) where jax-triton is installed,
-    else "pallas" (fused_moe_fp8 / block_scaled_matmul). ``MOEJAX_W8A8_KERNEL=pallas|triton`` forces one
+    """Which kernels run the W8A8 (fp8 x fp8) expert GEMMs on CUDA: "triton" (triton_block_fp8's fused MoE,
+    the Triton language through jax-triton: vLLM's block-FP8 design) where jax-triton is installed, else
+    "pallas" (fused_moe_fp8). Dense W8A8 projections stay on Pallas' block_scaled_matmul either way: the
+    Triton dense GEMM measured level with it or slower (no split K for few column tiles; H100, kv_a at
+    M=128: 113 vs 82 us, o_proj at M=2048: 818 vs 794 us, benchmarks/2026-12-06/h100/call2/kern.txt). ``MOEJAX_W8A8_KERNEL=pallas|triton`` forces one
     (measuring; "triton" without jax-triton raises at the first call, naming the install)."""
     want = os.environ.get(W8A8_KERNEL_ENV, "auto")
     if want not in W8A8_KERNELS:
@@ -343,18 +349,19 @@ def w8a8_kernel() -> str:
 
 
 def triton_moe_params(num_rows: int, num_experts: int) -> dict:
-    """Tiles of the Triton W8A8 fused MoE (pallas_kernels/triton_block_fp8.py) by rows an expert: the
-    row tile covers an expert's rows at decode (weights stream once), 64-row tiles above (vLLM's
-    block-FP8 configs for the DeepSeek-V3 expert shapes on H100 use 64 x 128 x 128, 4 warps), 128
-    rows and 8 warps at prefill sizes."""
-    per_expert = num_rows / max(num_experts, 1)
-    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 512 else 128
-    return dict(block_m=bm, block_n_down=128, num_warps=8 if bm >= 128 else 4, num_stages=3)
+    """Tiles of the Triton W8A8 fused MoE (pallas_kernels/triton_block_fp8.py), the best of the H100 sweep
+    at the V3 EP8-rank share (benchmarks/2026-12-06/h100/call2/kern.txt): up to 16 rows an expert one
+    16-row tile (the weights stream once; 683 us at 16 rows), above it 64-row tiles, 8 warps, 4 stages
+    (128 rows 999 us vs 1139 with 4 warps / 3 stages; 512 rows 2980 vs 3660; 128-row tiles 3775+)."""
+    if num_rows / max(num_experts, 1) <= 16:
+        return dict(block_m=16, block_n_down=128, num_warps=8, num_stages=3)
+    return dict(block_m=64, block_n_down=128, num_warps=8, num_stages=4)
 
 
 def triton_gemm_params(m: int, n: int, k: int) -> dict:
-    """Tiles of the Triton W8A8 dense GEMM: 64 x 128 x 128, 4 warps, grouped launch (the best of the
-    torch-Triton probe at M 128-2048, N = K = 7168 on an H100, benchmarks/2026-12-05c/h100/fp8_probe)."""
+    """Tiles of the Triton W8A8 dense GEMM (benchmarks only: ``w8a8_kernel`` says why the model keeps
+    Pallas): 64 x 128 x 128, 4 warps, grouped launch (the best of the torch-Triton probe at M 128-2048,
+    N = K = 7168 on an H100, benchmarks/2026-12-05c/h100/fp8_probe; the jax-triton sweep agrees)."""
     bm = max(16, min(64, 1 << max(m - 1, 0).bit_length()))
     return dict(block_m=bm, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=3)
 
@@ -382,10 +389,6 @@ def fp8_linear(x2, w, scale, variant: str = "w8a16", out_dtype=None, mode: str |
     c = select_fp8_linear(M, w.shape[0], K, x2.dtype, w.dtype, variant, mode)
     if c.impl != "pallas":
         return None
-    if variant == "w8a8" and (weight_format or c.params["weight_format"]) == "e4m3fn" and platform() != "cpu" \
-            and w8a8_kernel() == "triton":
-        return block_fp8_matmul(x2, w, scale, out_dtype=jnp.dtype(out_dtype or x2.dtype),
-                                **triton_gemm_params(M, w.shape[0], K))
     p = dict(c.params, **({"weight_format": weight_format} if weight_format else {}))
     return block_scaled_matmul(x2, w, scale, out_dtype=jnp.dtype(out_dtype or x2.dtype), **p)
 

@@ -358,6 +358,7 @@ def test_fp8_variant_auto(monkeypatch):
     from moejax import kernel_selection as selection
     from moejax.layers.fp8_policy import Fp8Policy
     FN, FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
+    monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "pallas")  # the Pallas family's thresholds (Triton's below)
     n = selection.W8A8_MIN_ROWS_PER_EXPERT
     assert Fp8Policy.create("default").variant == "auto"
     assert selection.fp8_variant("auto", 32 * n, 32, FN) == "w8a16"  # CPU
@@ -374,6 +375,9 @@ def test_fp8_variant_auto(monkeypatch):
     assert selection.fp8_variant("auto", 32 * n, 32, FNUZ) == "w8a16"
     for v in ("w8a16", "w8a8"):
         assert selection.fp8_variant(v, 32, 32, FN) == v
+    monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "triton")  # W8A8 from fewer rows, no dequantised range
+    t, _ = selection.MOE_FP8_THRESHOLDS["triton"]
+    assert [selection.fp8_variant("auto", 32 * r, 32, FN) for r in (t - 1, t, 4096)] == ["w8a16", "w8a8", "w8a8"]
     monkeypatch.setattr(selection, "platform", lambda: "rocm")
     assert selection.fp8_variant("auto", 32 * n, 32, FN) == "w8a16"
     with pytest.raises(ValueError, match="fp8_variant"):
