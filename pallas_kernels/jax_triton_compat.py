@@ -21,6 +21,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.compat import interpret_mode
 
@@ -106,8 +107,6 @@ def _interpret(args, kernel, out_shape, grid, zeroed_outputs, kwargs):
     except ImportError as e:
         raise ImportError(f"running a Triton kernel off the GPU needs triton and torch (CPU) for Triton's "
                           f"interpreter: {e!r}") from e
-    import numpy as np
-
     meta = {k: v for k, v in kwargs.items() if k not in _LAUNCH_ONLY}
     single = not isinstance(out_shape, (tuple, list))
     outs = [out_shape] if single else list(out_shape)

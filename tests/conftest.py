@@ -2,6 +2,10 @@ import os
 
 # Tests run on the CPU; EP tests ask for 8 host devices. Set before jax is imported.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Triton kernels run in Triton's interpreter here, chosen when triton.language is first imported (torch
+# imports it too, so it is set before anything can); a GPU run of the Triton tests sets JAX_PLATFORMS.
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # LLVM at -O0: the tiny models' programs compile about 30% faster and run long enough anyway; the
 # HLO and its fusions are XLA's usual ones, so what the tests compare is unchanged.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")

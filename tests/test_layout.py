@@ -18,7 +18,9 @@ from moejax.weights.param_tree import flatten, is_stacked_expert
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("moejax", "pallas_kernels")
-OPTIONAL = {"torch", "transformers"}  # the test extra; imported where used so the package runs without it
+# Optional dependencies, imported where used so the package runs without them: the test extra, and the
+# triton extra (jax_triton_compat imports Triton on first use: its interpreter is chosen at import)
+OPTIONAL = {"torch", "transformers", "triton", "jax_triton"}
 
 
 def _modules():
