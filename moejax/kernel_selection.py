@@ -242,21 +242,39 @@ def fp8_variant(variant: str, rows: int, groups: int, weight_dtype) -> str:
     """The FP8 scheme a GEMM runs: ``variant`` as given unless "auto". "auto" on CUDA, for grouped expert
     GEMMs: W8A16 below the W8A8 kernel family's threshold in rows an expert (MOE_FP8_THRESHOLDS; weight-read
     bound), W8A8 from there (FP8 dots on the tensor cores), "bf16" (weights dequantised in the step, the bf16
-    kernel) from the family's bf16 threshold, where it has one; dense projections: W8A8 for DENSE_W8A8_ROWS rows, W8A16 otherwise (the
-    Pallas kernel up to 64 rows, XLA's dequantise-then-dot above). W8A16 everywhere on ROCm (fnuz weights
-    take no FP8 dot in Pallas-Triton) and CPU."""
+    kernel) from the family's bf16 threshold, where it has one; dense projections: W8A8 for DENSE_W8A8_ROWS
+    rows, W8A16 otherwise (the Pallas kernel up to 64 rows, XLA's dequantise-then-dot above). ROCm: expert
+    GEMMs as CUDA's Triton family where jax-triton is installed (fnuz dots in the Triton language), W8A16
+    elsewhere and for dense projections (Pallas-Triton takes no fnuz dot); CPU: W8A16."""
     if variant != "auto":
         return variant
-    if platform() != "cuda" or _fp8_weight_format(weight_dtype, "w8a8")[0] is None:
+    plat = platform()
+    if plat == "rocm" and groups > 1 and triton_fp8_type(weight_dtype) is not None and w8a8_kernel() == "triton":
+        family = "triton"  # (not run: no AMD GPU here; the kernel compiles for gfx942, tests/test_triton_fp8.py)
+    elif plat == "cuda" and _fp8_weight_format(weight_dtype, "w8a8")[0] is not None:
+        if groups <= 1:
+            lo, hi = DENSE_W8A8_ROWS
+            return "w8a8" if lo <= rows <= hi else "w8a16"
+        family = w8a8_kernel()
+    else:
         return "w8a16"
-    if groups <= 1:
-        lo, hi = DENSE_W8A8_ROWS
-        return "w8a8" if lo <= rows <= hi else "w8a16"
     per_expert = rows / groups
-    w8a8_from, bf16_from = MOE_FP8_THRESHOLDS[w8a8_kernel()]
+    w8a8_from, bf16_from = MOE_FP8_THRESHOLDS[family]
     if bf16_from is not None and per_expert >= bf16_from:
         return "bf16"
     return "w8a8" if per_expert >= w8a8_from else "w8a16"
+
+
+def triton_fp8_type(weight_dtype, weight_format: str | None = None):
+    """The FP8 type the Triton W8A8 kernels read these weights as here, or None: e4m3fn on CUDA with FP8
+    dots (compute capability 8.9+), e4m3fnuz on ROCm (fnuz weights, or their uint8 bytes)."""
+    dt, plat = jnp.dtype(weight_dtype), platform()
+    if plat == "cuda" and dt == jnp.dtype(jnp.float8_e4m3fn) and weight_format in (None, "e4m3fn"):
+        return jnp.float8_e4m3fn if _fp8_weight_format(dt, "w8a8")[0] == "e4m3fn" else None
+    if plat == "rocm" and weight_format in (None, "e4m3fnuz_bits") and \
+            dt in (jnp.dtype(jnp.float8_e4m3fnuz), jnp.dtype(jnp.uint8)):
+        return jnp.float8_e4m3fnuz
+    return None
 
 
 def select_moe_fp8(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, weight_dtype,
@@ -334,7 +352,7 @@ W8A8_KERNEL_ENV = "MOEJAX_W8A8_KERNEL"
 
 
 def w8a8_kernel() -> str:
-    """Which kernels run the W8A8 (fp8 x fp8) expert GEMMs on CUDA: "triton" (triton_block_fp8's fused MoE,
+    """Which kernels run the W8A8 (fp8 x fp8) expert GEMMs on a GPU: "triton" (triton_block_fp8's fused MoE,
     the Triton language through jax-triton: vLLM's block-FP8 design) where jax-triton is installed, else
     "pallas" (fused_moe_fp8). Dense W8A8 projections stay on Pallas' block_scaled_matmul either way: the
     Triton dense GEMM measured level with it or slower (no split K for few column tiles; H100, kv_a at
@@ -345,7 +363,7 @@ def w8a8_kernel() -> str:
         raise ValueError(f"{W8A8_KERNEL_ENV} must be one of {W8A8_KERNELS}, got {want!r}")
     if want != "auto":
         return want
-    return "triton" if platform() == "cuda" and jax_triton_compat.available()[0] else "pallas"
+    return "triton" if platform() in ("cuda", "rocm") and jax_triton_compat.available()[0] else "pallas"
 
 
 def triton_moe_params(num_rows: int, num_experts: int) -> dict:
@@ -368,16 +386,21 @@ def triton_gemm_params(m: int, n: int, k: int) -> dict:
 
 def grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, variant: str = "w8a16",
                     mode: str | None = None, weight_format: str | None = None):
-    """Block-FP8 routed-expert MLP through the selected Pallas kernel; None when XLA should run."""
+    """Block-FP8 routed-expert MLP through the selected kernel (W8A8: the Triton fused MoE where
+    ``w8a8_kernel`` says so, else Pallas ``fused_moe_fp8``); None when XLA should run."""
     N, H = x_sorted.shape
     E, I, _ = w_gate.shape  # [E, out, in] (HF's layout)
+    fp8 = triton_fp8_type(w_gate.dtype, weight_format) if variant == "w8a8" else None
+    if fp8 is not None and _want_pallas(mode)[0] and w8a8_kernel() == "triton":
+        ws = [jax.lax.bitcast_convert_type(w, fp8) if jnp.dtype(w.dtype) == jnp.dtype(jnp.uint8) else w
+              for w in (w_gate, w_up, w_down)]  # uint8: the bytes of fnuz weights (ROCm)
+        p = triton_moe_params(N, E)
+        if platform() == "rocm":
+            p["num_stages"] = 2  # as the Pallas kernels there (not run: no AMD GPU here)
+        return fused_moe_block_fp8(x_sorted, group_sizes, ws[0], s_gate, ws[1], s_up, ws[2], s_down, **p)
     c = select_moe_fp8(N, E, H, I, x_sorted.dtype, w_gate.dtype, variant, mode)
     if c.impl != "pallas":
         return None
-    if variant == "w8a8" and (weight_format or c.params["weight_format"]) == "e4m3fn" and platform() != "cpu" \
-            and w8a8_kernel() == "triton":
-        return fused_moe_block_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down,
-                                   **triton_moe_params(N, E))
     p = dict(c.params, weight_layout="nk", **({"weight_format": weight_format} if weight_format else {}))
     return fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, **p)
 

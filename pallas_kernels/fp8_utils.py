@@ -80,20 +80,26 @@ def storage(w, weight_format: str | None = None):
     raise TypeError(f"FP8 weights must be float8_e4m3fn, float8_e4m3fnuz or uint8 bytes, got {dt}")
 
 
-def act_quant(x, group: int = SCALE_BLOCK):
-    """x [M, K] -> (x_q [M, K] float8_e4m3fn, x_scale [M, cdiv(K, group)] float32) with
+def act_quant(x, group: int = SCALE_BLOCK, dtype=FP8):
+    """x [M, K] -> (x_q [M, K] ``dtype``, x_scale [M, cdiv(K, group)] float32) with
     x ~= x_q * x_scale per token and per ``group`` consecutive channels (the last group may be cut
     by the edge). scale = max(amax, 1e-10) * float32(1/448) (bit-identical in XLA and NumPy);
-    q = x / scale rounded to nearest even."""
+    q = x / scale rounded to nearest even. ``dtype`` float8_e4m3fnuz (MI300X) uses its own largest
+    value, 240."""
     M, K = x.shape
     G = pl.cdiv(K, group)
     xf = x.astype(jnp.float32)
     if G * group != K:
         xf = jnp.pad(xf, ((0, 0), (0, G * group - K)))
     xg = xf.reshape(M, G, group)
-    scale = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), ACT_EPS) * INV_FP8_MAX
-    q = (xg / scale[..., None]).astype(FP8).reshape(M, G * group)[:, :K]
+    scale = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), ACT_EPS) * inv_fp8_max(dtype)
+    q = (xg / scale[..., None]).astype(dtype).reshape(M, G * group)[:, :K]
     return q, scale
+
+
+def inv_fp8_max(dtype) -> float:
+    """1 / the largest finite value of an FP8 type (448 for e4m3fn, 240 for e4m3fnuz), as a product."""
+    return INV_FP8_MAX if jnp.dtype(dtype) == jnp.dtype(FP8) else 1.0 / float(jnp.finfo(dtype).max)
 
 
 def act_dequant(q, scale, group: int = SCALE_BLOCK):

@@ -50,7 +50,8 @@ def _import(interpret: bool):
 
 @functools.lru_cache(maxsize=None)
 def available() -> tuple[bool, str]:
-    """(jax-triton and triton importable here, why not); no import happens on CPU (the interpreter)."""
+    """(jax-triton and triton importable here, why not). Imports them (compiled mode): asked only where a
+    GPU route is chosen (kernel selection on CUDA), never before the interpreter would be."""
     try:
         import jax_triton  # noqa: F401
         import triton  # noqa: F401

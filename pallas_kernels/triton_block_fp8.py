@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_utils import FP8, INV_FP8_MAX, ACT_EPS, SCALE_BLOCK, act_quant
+from pallas_kernels.fp8_utils import FP8, SCALE_BLOCK, act_quant, inv_fp8_max
 from pallas_kernels.fused_moe import moe_align_block_size
 from pallas_kernels.jax_triton_compat import jit, triton_call
 
@@ -90,7 +90,7 @@ def block_fp8_matmul(x, w, w_scale, *, out_dtype=jnp.bfloat16, block_m: int = 64
     M, K = x.shape
     N = w.shape[0]
     _check(w, w_scale, (N, K), block_n, block_k, "w")
-    xq, xs = act_quant(x)
+    xq, xs = act_quant(x, dtype=w.dtype)
     grid = (pl_cdiv(M, block_m) * pl_cdiv(N, block_n),)
     return triton_call(xq, xs, w, w_scale.astype(jnp.float32), kernel=_dense_kernel,
                        out_shape=jax.ShapeDtypeStruct((M, N), jnp.dtype(out_dtype)), grid=grid,
@@ -101,7 +101,7 @@ def block_fp8_matmul(x, w, w_scale, *, out_dtype=jnp.bfloat16, block_m: int = 64
 @jit
 def _gate_up_kernel(x_ptr, xs_ptr, src_ptr, eid_ptr, wg_ptr, sg_ptr, wu_ptr, su_ptr, h_ptr, hs_ptr,
                     N_ROWS: tl.constexpr, H: tl.constexpr, I: tl.constexpr, I_PAD: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INV_MAX: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(eid_ptr + pid_m)
@@ -139,9 +139,9 @@ def _gate_up_kernel(x_ptr, xs_ptr, src_ptr, eid_ptr, wg_ptr, sg_ptr, wu_ptr, su_
     h = g * tl.sigmoid(g) * u
     h = tl.where((offs_n < I)[None, :], h, 0.0)  # columns past I: zero (the down kernel reads them)
     # Requantise per token per 128 channels (this tile is one group): act_quant's formula.
-    hs = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10) * (1.0 / 448.0)
+    hs = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10) * INV_MAX
     hq = h / hs[:, None]
-    # Round to e4m3's 3 mantissa bits (to nearest even) in f32 first, so the cast is exact: Triton's
+    # Round to e4m3's 3 mantissa bits (e4m3fn and e4m3fnuz alike) (to nearest even) in f32 first, so the cast is exact: Triton's
     # interpreter (3.6) drops a binade when rounding carries into the exponent (124.1 -> 64), and the CPU
     # tests run there; the GPU's cvt gives the same result either way (e4m3 subnormals, |q| < 2**-6, are
     # rounded twice: at most one step of 2**-9 on values ~448x below the group's largest).
@@ -192,9 +192,13 @@ def pl_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+FP8_TYPES = (jnp.dtype(FP8), jnp.dtype(jnp.float8_e4m3fnuz))  # NVIDIA (sm_89+), MI300X (gfx942)
+
+
 def _check(w, s, shape, block_n: int, block_k: int, name: str):
-    if jnp.dtype(w.dtype) != jnp.dtype(FP8):
-        raise ValueError(f"{name} must be float8_e4m3fn for the Triton W8A8 kernels, got {w.dtype}")
+    if jnp.dtype(w.dtype) not in FP8_TYPES:
+        raise ValueError(f"{name} must be float8_e4m3fn or float8_e4m3fnuz for the Triton W8A8 kernels, "
+                         f"got {w.dtype}")
     if tuple(w.shape[-2:]) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(w.shape)}, expected [..., {shape[0]}, {shape[1]}] ([out, in])")
     want = (pl_cdiv(shape[0], SB), pl_cdiv(shape[1], SB))
@@ -223,6 +227,10 @@ def fused_moe_block_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_dow
         _check(w, s, shape, 128 if name != "w_down" else block_n_down, block_k, name)
         if w.shape[0] != E or s.shape[0] != E:
             raise ValueError(f"{name} and its scale must have {E} experts, got {w.shape[0]} and {s.shape[0]}")
+    fp8 = jnp.dtype(w_gate.dtype)
+    if any(jnp.dtype(w.dtype) != fp8 for w in (w_up, w_down)):
+        raise ValueError(f"w_gate, w_up and w_down must share one FP8 type, got {w_gate.dtype}, {w_up.dtype}, "
+                         f"{w_down.dtype}")
     BM, BN = block_m, SB
     tile_expert, row_src, out_pos, out_valid = moe_align_block_size(group_sizes, N, BM)
     T = tile_expert.shape[0]
@@ -230,13 +238,13 @@ def fused_moe_block_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_dow
     pad_ok = jnp.zeros((T * BM,), bool).at[jnp.where(out_valid, out_pos, T * BM)].set(True, mode="drop")
     src = jnp.where(pad_ok, row_src, N).astype(jnp.int32)
     I_pad = pl_cdiv(I, BN) * BN
-    xq, xs = act_quant(x_sorted)
+    xq, xs = act_quant(x_sorted, dtype=fp8)  # activations in the weights' FP8 type (fnuz on MI300X)
     f32 = jnp.float32
     hq, hs = triton_call(
         xq, xs, src, tile_expert, w_gate, s_gate.astype(f32), w_up, s_up.astype(f32), kernel=_gate_up_kernel,
-        out_shape=(jax.ShapeDtypeStruct((T * BM, I_pad), FP8), jax.ShapeDtypeStruct((T * BM, I_pad // SB), f32)),
+        out_shape=(jax.ShapeDtypeStruct((T * BM, I_pad), fp8), jax.ShapeDtypeStruct((T * BM, I_pad // SB), f32)),
         grid=(T, I_pad // BN), num_warps=num_warps, num_stages=num_stages, name="moe_block_fp8_gate_up",
-        N_ROWS=N, H=H, I=I, I_PAD=I_pad, BM=BM, BN=BN, BK=block_k)
+        N_ROWS=N, H=H, I=I, I_PAD=I_pad, BM=BM, BN=BN, BK=block_k, INV_MAX=inv_fp8_max(fp8))
     return triton_call(
         hq, hs, src, tile_expert, w_down, s_down.astype(f32), kernel=_down_kernel,
         out_shape=jax.ShapeDtypeStruct((N, H), jnp.dtype(out_dtype)), zeroed_outputs=(0,),
@@ -244,4 +252,3 @@ def fused_moe_block_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_dow
         name="moe_block_fp8_down", N_ROWS=N, H=H, I=I, I_PAD=I_pad, BM=BM, BN=block_n_down, BK=block_k)
 
 
-__all__ = ["block_fp8_matmul", "fused_moe_block_fp8", "INV_FP8_MAX", "ACT_EPS"]

@@ -8,6 +8,10 @@ Seeds as in test_fp8_kernels.py (MOEJAX_TEST_SEED replays a failure)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -120,3 +124,62 @@ def test_selection_routes_w8a8_to_triton(monkeypatch):
         monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "cutlass")
         with pytest.raises(ValueError, match=selection.W8A8_KERNEL_ENV):
             selection.w8a8_kernel()
+
+
+_COMPILE = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pallas_kernels import triton_block_fp8 as T
+
+out = {}
+for arch, target, f8, inv in (("gfx942", GPUTarget("hip", "gfx942", 64), "fp8e4b8", 1 / 240),
+                              ("sm_90", GPUTarget("cuda", 90, 32), "fp8e4nv", 1 / 448)):
+    ptrs = lambda names, types: dict(zip(names, types))
+    gate = ptrs(("x_ptr", "xs_ptr", "src_ptr", "eid_ptr", "wg_ptr", "sg_ptr", "wu_ptr", "su_ptr", "h_ptr", "hs_ptr"),
+                ("*" + f8, "*fp32", "*i32", "*i32", "*" + f8, "*fp32", "*" + f8, "*fp32", "*" + f8, "*fp32"))
+    down = ptrs(("h_ptr", "hs_ptr", "src_ptr", "eid_ptr", "wd_ptr", "sd_ptr", "o_ptr"),
+                ("*" + f8, "*fp32", "*i32", "*i32", "*" + f8, "*fp32", "*fp32"))
+    dense = ptrs(("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "o_ptr"), ("*" + f8, "*fp32", "*" + f8, "*fp32", "*bf16"))
+    shape = dict(N_ROWS=4096, H=7168, I=2048, I_PAD=2048, BM=64, BN=128, BK=128)
+    for name, kern, sig, consts in (("gate_up", T._gate_up_kernel, gate, dict(shape, INV_MAX=inv)),
+                                    ("down", T._down_kernel, down, shape),
+                                    ("dense", T._dense_kernel, dense, dict(M=512, N=7168, K=7168, BM=64, BN=128,
+                                                                           BK=128, GROUP_M=8))):
+        src = ASTSource(kern.get(False), dict(sig, **{c: "constexpr" for c in consts}), consts)
+        k = triton.compile(src, target=target, options=dict(num_warps=8, num_stages=2))
+        asm = k.asm["amdgcn"] if arch == "gfx942" else k.asm["ptx"]
+        pat = r"v_mfma_f32_\w+_fp8_fp8" if arch == "gfx942" else r"wgmma\.mma_async[\w.]*\.e4m3\.e4m3"
+        out[f"{arch} {name}"] = sorted(set(re.findall(pat, asm)))
+print(json.dumps(out))
+"""
+
+
+def test_kernels_compile_to_fp8_tensor_core_instructions():
+    """Triton compiles the kernels on this machine for MI300X (gfx942, e4m3fnuz) and H100/H200 (sm_90,
+    e4m3fn) without a GPU: their FP8 dots must become FP8 MFMA / wgmma instructions (AMDGCN / PTX;
+    nothing is run: no AMD GPU here). A fresh process: Triton compiles only outside its interpreter."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(found) == 6 and all(found.values()), found
+
+
+def test_rocm_selection(monkeypatch):
+    """ROCm with jax-triton: FP8 (fnuz, or its uint8 bytes) expert GEMMs go W8A8 from the Triton family's
+    threshold (the Triton kernel takes e4m3fnuz dots), dense projections stay W8A16; without jax-triton
+    W8A16 throughout. Decisions only: Triton's interpreter has no fnuz type, and no AMD GPU is here (the
+    gfx942 compile test above checks the kernels' instructions)."""
+    from moejax import kernel_selection as selection
+    FNUZ = jnp.float8_e4m3fnuz
+    monkeypatch.setattr(selection, "platform", lambda: "rocm")
+    t, bf16_from = selection.MOE_FP8_THRESHOLDS["triton"]
+    monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "triton")
+    assert selection.triton_fp8_type(jnp.uint8) == FNUZ and selection.triton_fp8_type(FNUZ) == FNUZ
+    assert selection.triton_fp8_type(jnp.float8_e4m3fn) is None  # ROCm weights are converted to fnuz on load
+    assert [selection.fp8_variant("auto", 32 * r, 32, FNUZ) for r in (t - 1, t, 4096)] == ["w8a16", "w8a8", "w8a8"]
+    assert selection.fp8_variant("auto", 512, 1, FNUZ) == "w8a16"  # dense: no fnuz dot in Pallas-Triton
+    monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "pallas")
+    assert selection.fp8_variant("auto", 32 * 4096, 32, FNUZ) == "w8a16"
