@@ -91,16 +91,18 @@ def test_same_tokens_as_reference(ckpt, kv, k):
     base, spec = _load(ckpt, kv_cache_dtype=kv), _load(ckpt, k, kv_cache_dtype=kv)
     # async scheduling (the default) is accepted with speculation; speculative steps run synchronously
     assert spec.config.scheduler.async_scheduling and not spec.engine.async_scheduling
-    prompts, params = _prompts(rng, 4), _mixed(rng, 4)
+    prompts, params = _prompts(rng, 3), _mixed(rng, 3)  # one request of each kind
     want, _ = _run(base, prompts, params)
     _assert_same(_run(spec, prompts, params)[0], want)
+    st = spec.engine.stats
+    assert st.spec_num_draft_tokens > 0 and len(st.spec_accepted_per_pos) == k
+    if kv != "auto":  # (suite time) the prefix-cache round once, on the bf16 cache
+        return
     hits = spec.engine.stats.prefix_cache_hits
     longer = [p + w[0] + rng.integers(2, V, size=3).tolist() for p, w in zip(prompts, want)]
     want2, _ = _run(base, longer, params)
     _assert_same(_run(spec, longer, params)[0], want2)
     assert spec.engine.stats.prefix_cache_hits > hits
-    st = spec.engine.stats
-    assert st.spec_num_draft_tokens > 0 and len(st.spec_accepted_per_pos) == k
 
 
 def test_accept_path_with_injected_drafts(ckpt):
@@ -289,7 +291,7 @@ def test_fp8_weights_same_tokens(tmp_path):
     rng = np.random.default_rng(seed)
     base, spec = _load(path), _load(path, 1)
     assert any(str(x.dtype) == "float8_e4m3fn" for x in jax.tree.leaves(spec.engine.runner.params))
-    prompts, params = _prompts(rng, 4), _mixed(rng, 4)
+    prompts, params = _prompts(rng, 3), _mixed(rng, 3)
     want, _ = _run(base, prompts, params)
     got, _ = _run(spec, prompts, params)
     _assert_same(got, want)
