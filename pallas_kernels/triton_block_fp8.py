@@ -31,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels.fp8_utils import FP8, SCALE_BLOCK, act_quant, inv_fp8_max
 from pallas_kernels.fused_moe import moe_align_block_size
@@ -91,7 +92,7 @@ def block_fp8_matmul(x, w, w_scale, *, out_dtype=jnp.bfloat16, block_m: int = 64
     N = w.shape[0]
     _check(w, w_scale, (N, K), block_n, block_k, "w")
     xq, xs = act_quant(x, dtype=w.dtype)
-    grid = (pl_cdiv(M, block_m) * pl_cdiv(N, block_n),)
+    grid = (pl.cdiv(M, block_m) * pl.cdiv(N, block_n),)
     return triton_call(xq, xs, w, w_scale.astype(jnp.float32), kernel=_dense_kernel,
                        out_shape=jax.ShapeDtypeStruct((M, N), jnp.dtype(out_dtype)), grid=grid,
                        num_warps=num_warps, num_stages=num_stages, name="block_fp8_matmul",
@@ -188,10 +189,6 @@ def _down_kernel(h_ptr, hs_ptr, src_ptr, eid_ptr, wd_ptr, sd_ptr, o_ptr,
     tl.store(o_ptr + rows[:, None].to(tl.int64) * H + offs_n[None, :], acc.to(o_ptr.dtype.element_ty), mask=ok)
 
 
-def pl_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 FP8_TYPES = (jnp.dtype(FP8), jnp.dtype(jnp.float8_e4m3fnuz))  # NVIDIA (sm_89+), MI300X (gfx942)
 
 
@@ -201,7 +198,7 @@ def _check(w, s, shape, block_n: int, block_k: int, name: str):
                          f"got {w.dtype}")
     if tuple(w.shape[-2:]) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(w.shape)}, expected [..., {shape[0]}, {shape[1]}] ([out, in])")
-    want = (pl_cdiv(shape[0], SB), pl_cdiv(shape[1], SB))
+    want = (pl.cdiv(shape[0], SB), pl.cdiv(shape[1], SB))
     if tuple(s.shape[-2:]) != want:
         raise ValueError(f"{name}'s scale has shape {tuple(s.shape)}, expected [..., {want[0]}, {want[1]}] "
                          "(128 x 128 blocks)")
@@ -237,7 +234,7 @@ def fused_moe_block_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_dow
     # Padding rows point past the last row (masked in both kernels) instead of at row 0.
     pad_ok = jnp.zeros((T * BM,), bool).at[jnp.where(out_valid, out_pos, T * BM)].set(True, mode="drop")
     src = jnp.where(pad_ok, row_src, N).astype(jnp.int32)
-    I_pad = pl_cdiv(I, BN) * BN
+    I_pad = pl.cdiv(I, BN) * BN
     xq, xs = act_quant(x_sorted, dtype=fp8)  # activations in the weights' FP8 type (fnuz on MI300X)
     f32 = jnp.float32
     hq, hs = triton_call(
@@ -248,7 +245,7 @@ def fused_moe_block_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_dow
     return triton_call(
         hq, hs, src, tile_expert, w_down, s_down.astype(f32), kernel=_down_kernel,
         out_shape=jax.ShapeDtypeStruct((N, H), jnp.dtype(out_dtype)), zeroed_outputs=(0,),
-        grid=(T, pl_cdiv(H, block_n_down)), num_warps=num_warps, num_stages=num_stages,
+        grid=(T, pl.cdiv(H, block_n_down)), num_warps=num_warps, num_stages=num_stages,
         name="moe_block_fp8_down", N_ROWS=N, H=H, I=I, I_PAD=I_pad, BM=BM, BN=block_n_down, BK=block_k)
 
 
