@@ -356,8 +356,9 @@ def w8a8_kernel() -> str:
     the Triton language through jax-triton: vLLM's block-FP8 design) where jax-triton is installed, else
     "pallas" (fused_moe_fp8). Dense W8A8 projections stay on Pallas' block_scaled_matmul either way: the
     Triton dense GEMM measured level with it or slower (no split K for few column tiles; H100, kv_a at
-    M=128: 113 vs 82 us, o_proj at M=2048: 818 vs 794 us, benchmarks/2026-12-06/h100/call2/kern.txt). ``MOEJAX_W8A8_KERNEL=pallas|triton`` forces one
-    (measuring; "triton" without jax-triton raises at the first call, naming the install)."""
+    M=128: 113 vs 82 us, o_proj at M=2048: 818 vs 794 us, benchmarks/2026-12-06/h100/call2/kern.txt).
+    ``MOEJAX_W8A8_KERNEL=pallas|triton`` forces one (measuring; "triton" without jax-triton raises at the
+    first call, naming the install)."""
     want = os.environ.get(W8A8_KERNEL_ENV, "auto")
     if want not in W8A8_KERNELS:
         raise ValueError(f"{W8A8_KERNEL_ENV} must be one of {W8A8_KERNELS}, got {want!r}")
