@@ -18,3 +18,8 @@ run new512 100 $B --input-len 512 --concurrency 16,64,256 --weight-dtype bf16,fp
 run prof_fp8 70 env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/profile_step.py --preset deepseek-v3-ep8-rank \
   --layers 4 --concurrency 512 --input-len 2048 --kernels auto --weight-dtype fp8 --steps 3 --top 30 --json $R/prof_fp8.json
 run prefill_pal 70 env MOEJAX_W8A8_KERNEL=pallas $P --weight-dtype fp8 --json $R/prefill_pal.json
+# Added at the run (2026-12-06 session): Step3 FP8 at the seed's point, and the previous selection (Pallas W8A8
+# family, its thresholds) as the table's column at 2048 (whatever of it fits under the call's 10 minutes).
+run step3 80 python3 scripts/bench_decode.py --preset step3-ep8-rank --layers 4 --concurrency 32 --input-len 4096 \
+  --fill random --kernels auto --steps 10 --weight-dtype bf16,fp8 --json $R/step3.json
+run pal2048 90 env MOEJAX_W8A8_KERNEL=pallas $B --input-len 2048 --concurrency 16,64,256,512 --weight-dtype fp8 --json $R/pal2048.json
