@@ -34,6 +34,7 @@ from pallas_kernels.fused_moe import fused_moe
 from pallas_kernels.fused_moe_fp8 import fused_moe_fp8
 from pallas_kernels import jax_triton_compat
 from pallas_kernels.triton_block_fp8 import fused_moe_block_fp8
+from pallas_kernels.triton_mla_decode import triton_mla_decode
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 
 KERNEL_MODES = ("auto", "pallas", "xla")
@@ -426,10 +427,43 @@ def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, blo
         return Choice("xla", reason="mode or platform")
     if not forced and not (_triton_dim(latent) and _triton_dim(rope) and heads >= 1):
         return Choice("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
+    if mla_kernel(heads, latent, rope, cache_dtype) == "triton":
+        return Choice("triton", _triton_mla_params(batch, heads, max_len), "forced" if forced else "gpu")
     if not forced and _slow_fp8(heads, cache_dtype):
         return Choice("xla", reason=_slow_fp8.__doc__)
     p = _paged_decode_params(batch, heads, max_len, block_size, cache_dtype)
     return Choice("pallas", p, "forced" if forced else "gpu")
+
+
+MLA_KERNEL_ENV = "MOEJAX_MLA_KERNEL"
+MLA_KERNELS = ("auto", "pallas", "triton")
+
+
+def mla_kernel(heads: int, latent: int, rope: int, cache_dtype) -> str:
+    """Which kernel runs MLA decode on a GPU: "triton" (triton_mla_decode, the Triton language through
+    jax-triton: 64-head programs on wgmma with pipelined cache tiles, 216 KB of shared memory, so NVIDIA
+    Hopper only) for 64+ heads with a bf16 cache on CUDA where jax-triton is installed, else "pallas"
+    (paged_decode_attention; ROCm's 64 KB of LDS cannot hold the Triton kernel's tiles).
+    ``MOEJAX_MLA_KERNEL=pallas|triton`` forces one (measuring)."""
+    want = os.environ.get(MLA_KERNEL_ENV, "auto")
+    if want not in MLA_KERNELS:
+        raise ValueError(f"{MLA_KERNEL_ENV} must be one of {MLA_KERNELS}, got {want!r}")
+    if want != "auto":
+        return want
+    ok = (platform() == "cuda" and heads >= 64 and not _fp8(cache_dtype) and _triton_dim(latent)
+          and _triton_dim(rope))
+    return "triton" if ok and jax_triton_compat.available()[0] else "pallas"
+
+
+def _triton_mla_params(batch: int, heads: int, max_len: int) -> dict:
+    """Tiling of triton_mla_decode: 64 heads a program (one wgmma M tile, two warpgroups splitting the
+    [64, 512] accumulator), 64 tokens a step, 2 stages (two [64, 576] bf16 cache tiles and the queries:
+    216 KB of shared memory; no spills, ptxas on sm_90a); context splits until the programs fill the GPU,
+    each split >= 256 tokens."""
+    block_h = 64 if heads >= 64 else 16
+    programs = batch * -(-heads // block_h)
+    num_splits = max(1, min(max(1, max_len // 256), -(-num_compute_units() // max(programs, 1)), 16))
+    return dict(block_h=block_h, block_n=64, num_splits=num_splits, num_warps=8, num_stages=2)
 
 
 def _fp8(cache_dtype) -> bool:
@@ -482,6 +516,9 @@ def mla_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size: i
     """MLA decode through the selected kernel; None when the XLA path should run."""
     B, H, C = q_latent.shape
     c = select_mla(B, H, C, q_rope.shape[-1], block_tables.shape[1] * block_size, block_size, cache.dtype, mode)
+    if c.impl == "triton":
+        return triton_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, block_size=block_size,
+                                 scale=float(scale), layer=layer, out_dtype=out_dtype, **c.params)
     if c.impl != "pallas":
         return None
     return paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size=block_size,
@@ -593,4 +630,4 @@ def decode_reads_whole_table(cfg, cache_dtype, mode: str) -> bool:
     else:  # MFA
         c = select_mfa(1, cfg.num_attention_heads, cfg.head_dim, cfg.num_attention_groups, probe_len, 16,
                        cache_dtype, mode)
-    return c.impl != "pallas"
+    return c.impl == "xla"

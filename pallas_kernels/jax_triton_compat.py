@@ -41,11 +41,45 @@ def _import(interpret: bool):
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("Triton was imported before moejax could select its interpreter: set "
                            "TRITON_INTERPRET=1 to run Triton kernels on CPU")
+    if interpret:
+        _fix_interpreter()
     try:
         import jax_triton
     except Exception:  # ImportError, or a triton / jax-triton version mismatch raising at import
         jax_triton = None
     return triton, jax_triton
+
+
+def _fix_interpreter():
+    """Two faults of Triton 3.6's interpreter, mended in place (the compiled path is untouched):
+    it holds a loaded scalar as a one-element 1-d array and turns it into a Python int with
+    ``int(array)``, which NumPy 2 refuses (a loop bounded by a sequence's loaded length fails); and its
+    dot multiplies bfloat16 operands as their raw uint16 bits (it widens only FP8). Its scalar
+    ``__index__`` takes the single element; bf16 dot operands are widened to float32 (exact)."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "moejax_fixed", False):
+        return
+
+    def patch(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patch.moejax_fixed = True
+    interpreter._patch_lang_tensor = patch
+
+    builder = interpreter.InterpreterBuilder
+    dot = builder.create_dot
+    tl = interpreter.tl
+
+    def widen(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        bits = np.ascontiguousarray(h.data).view(np.uint16).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    builder.create_dot = lambda self, a, b, *rest: dot(self, widen(a), widen(b), *rest)
 
 
 @functools.lru_cache(maxsize=None)

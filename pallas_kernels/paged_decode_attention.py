@@ -255,10 +255,14 @@ def paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, *, b
         interpret=interpret,
         name="mla_decode_split",
     )(*qs, cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32))
-    if num_splits == 1:
-        out = o[:, 0]
-    else:
-        lmax = jnp.max(lse, axis=1, keepdims=True)
-        w = jnp.exp(lse - jnp.where(jnp.isfinite(lmax), lmax, 0.0))  # [B, S, Hp]; empty splits weigh 0
-        out = (jnp.einsum("bsh,bshc->bhc", w, o) / jnp.sum(w, axis=1)[..., None]).astype(out_dtype)
-    return out[:, :H]
+    return combine_splits(o, lse, out_dtype)[:, :H]
+
+
+def combine_splits(o, lse, out_dtype):
+    """Stage 2 of flash-decoding (plain JAX, fused by XLA): the splits' normalised contexts o [B, S, H, C]
+    weighted by exp(lse_s - lse_max) (lse [B, S, H], natural log, -inf for a split that saw no token)."""
+    if o.shape[1] == 1:
+        return o[:, 0]
+    lmax = jnp.max(lse, axis=1, keepdims=True)
+    w = jnp.exp(lse - jnp.where(jnp.isfinite(lmax), lmax, 0.0))  # [B, S, H]; empty splits weigh 0
+    return (jnp.einsum("bsh,bshc->bhc", w, o) / jnp.sum(w, axis=1)[..., None]).astype(out_dtype)

@@ -27,12 +27,14 @@ import jax.numpy as jnp
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call  # noqa: E402
-from moejax.kernel_selection import kernel_mode, platform, select_mfa, select_mla, select_moe  # noqa: E402
+from moejax.kernel_selection import (_paged_decode_params, _triton_mla_params, kernel_mode, platform,  # noqa: E402
+                                     select_mfa, select_mla, select_moe)
 from moejax.layers.experts import ExpertWeights, grouped_expert_mlp  # noqa: E402
 from moejax.layers.kv_quant import cache_row_dim, quantize_rows  # noqa: E402
 from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention  # noqa: E402
 from pallas_kernels.fused_moe import fused_moe  # noqa: E402
 from pallas_kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
+from pallas_kernels.triton_mla_decode import triton_mla_decode  # noqa: E402
 
 BF16 = jnp.bfloat16
 
@@ -76,10 +78,12 @@ def moe_grid(t):
              "num_warps": [4, 8], "num_stages": [4]}]
 
 
-# Alternatives timed by --sweep for MLA: the gather tile (tokens across pages in one dot) and the
-# whole-page tile, head blocks of 16 and 32 (64 needs 8 warps for its [64, 512] f32 accumulator),
-# pipeline depth, splits.
+# Alternatives timed by --sweep for MLA: the Pallas kernel's gather tile (tokens across pages in one dot)
+# and whole-page tile, head blocks of 16 and 32 (64 needs 8 warps for its [64, 512] f32 accumulator),
+# pipeline depth, splits; and the Triton kernel ("kernel": "triton", 64-head programs on wgmma).
 MLA_GRID = [
+    {"kernel": ["triton"], "block_h": [64], "block_n": [32, 64], "num_warps": [8], "num_stages": [2, 3]},
+    {"kernel": ["triton"], "block_h": [64], "block_n": [64], "num_warps": [8], "num_stages": [2], "num_splits": [2]},
     {"tile": ["gather"], "block_h": [16, 32], "block_t": [32, 64, 128], "num_warps": [4], "num_stages": [2, 3]},
     {"tile": ["gather"], "block_h": [16], "block_t": [64], "num_warps": [4], "num_stages": [2], "num_splits": [2]},
     {"tile": ["pages"], "block_h": [16], "block_t": [16, 32], "num_warps": [4], "num_stages": [2, 3]},
@@ -165,11 +169,17 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
                 fx = jax.jit(functools.partial(mla_decode_attention, block_size=bs, scale=scale, layer=0))
                 t_x = bench(fx, ql, qr, cache, bt, lens)
             with kernel_mode("pallas"):
-                p = select_mla(B, H, C, R, nb * bs, bs, cache.dtype).params
-            configs = [p] + ([dict(p, **g) for g in expand(grid or MLA_GRID)] if sweep and kv in kvs_sweep else [])
+                ch = select_mla(B, H, C, R, nb * bs, bs, cache.dtype)
+                base = {"pallas": _paged_decode_params(B, H, nb * bs, bs, cache.dtype),
+                        "triton": _triton_mla_params(B, H, nb * bs)}
+            sel = dict(ch.params, kernel=ch.impl)
+            configs = [sel] + ([dict(base[g.get("kernel", "pallas")], **g) for g in expand(grid or MLA_GRID)]
+                               if sweep and kv in kvs_sweep else [])
             for i, c in enumerate(configs):
-                f = jax.jit(functools.partial(paged_decode_attention, block_size=bs, scale=scale, layer=0, **c,
-                                              interpret=interpret))
+                c = dict(c)
+                kname = c.pop("kernel", "pallas")
+                fn = triton_mla_decode if kname == "triton" else paged_decode_attention
+                f = jax.jit(functools.partial(fn, block_size=bs, scale=scale, layer=0, **c, interpret=interpret))
                 try:
                     t_p = bench(f, ql, qr, cache, bt, lens)
                 except Exception as e:
@@ -177,7 +187,7 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
                     continue
                 kvb = B * ctx * row
                 print(f"{kv:>5} {B:>4} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_p * 1e6:9.1f} {kvb / t_x / 1e12:8.2f} "
-                      f"{kvb / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {'selected' if i == 0 else ''} {c}")
+                      f"{kvb / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {'selected' if i == 0 else ''} {kname} {c}")
 
 
 MFA_GRID = [{"tile": ["gather"], "block_h": [16, 32], "block_t": [32, 64], "num_warps": [4], "num_stages": [2, 3],
