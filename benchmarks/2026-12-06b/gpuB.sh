@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# GPU call B (2026-12-06b), right after A on the same machine: FP8 prefill with each W8A8 family, the 512
-# table, the FP8 step's profile at 512 x 2048, Step3 at the seed's point, the previous W8A8 selection.
+# GPU call B (2026-12-06b), after A: FP8 prefill with the Pallas W8A8 family, the 512 table, the FP8 step's profile at 512 x 2048, Step3 at the seed's point, the previous W8A8 selection.
 set -u
 R=/tmp/rB; mkdir -p $R; OUT0=$OUT
 pack() { tar czf $OUT0/r.tgz -C /tmp rB; }
@@ -12,7 +11,6 @@ B="python3 scripts/bench_decode.py --preset deepseek-v3-ep8-rank --layers 4 --fi
 P="python3 scripts/bench_prefill.py --preset deepseek-v3-ep8-rank --layers 4 --points 8x2048 --kernels auto --iters 5"
 run prof_bf16 80 env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/profile_step.py --preset deepseek-v3-ep8-rank \
   --layers 4 --concurrency 512 --input-len 2048 --kernels auto --weight-dtype bf16 --steps 3 --top 30 --json $R/prof_bf16.json
-run prefill 100 $P --weight-dtype bf16,fp8 --json $R/prefill.json
 run new512 100 $B --input-len 512 --concurrency 16,64,256 --weight-dtype bf16,fp8 --json $R/new512.json
 run step3 80 python3 scripts/bench_decode.py --preset step3-ep8-rank --layers 4 --concurrency 32 --input-len 4096 \
   --fill random --kernels auto --steps 10 --weight-dtype bf16,fp8 --json $R/step3.json
