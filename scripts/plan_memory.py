@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
+import json
 import os
 import sys
 
@@ -35,6 +37,16 @@ from moejax.weights.param_tree import flatten, layer_type  # noqa: E402
 GB = 1e9
 
 
+@functools.lru_cache(maxsize=None)
+def _param_bytes(hf_json: str, weight_dtype: str, fp8_layers: str) -> tuple:
+    """(path, bytes) of every parameter, from the model's abstract shapes: tracing a 61-layer model takes
+    seconds, and one model is planned on several layouts."""
+    cfg = parse_model_config(json.loads(hf_json))
+    fp8 = EngineConfig.create(cfg, weight_dtype=weight_dtype, fp8_layers=fp8_layers).fp8
+    return tuple((path, int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize)
+                 for path, leaf in flatten(abstract_params(cfg, "bfloat16", fp8)).items())
+
+
 def plan(hf: dict, parallel: str | None, weight_dtype: str, gpu_memory_gb: float, utilization: float,
          reserve_gb: float, kv_cache_dtype: str, input_len: int, output_len: int, block_size: int = 16,
          fp8_layers: str = "default") -> dict:
@@ -44,8 +56,7 @@ def plan(hf: dict, parallel: str | None, weight_dtype: str, gpu_memory_gb: float
     redundant = pc.num_redundant_experts if pc else 0
     fp8 = EngineConfig.create(cfg, weight_dtype=weight_dtype, fp8_layers=fp8_layers).fp8
     per_gpu: dict[str, float] = collections.defaultdict(float)
-    for path, leaf in flatten(abstract_params(cfg, "bfloat16", fp8)).items():
-        nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+    for path, nbytes in _param_bytes(json.dumps(hf, sort_keys=True), weight_dtype, fp8_layers):
         kind = layer_type(path)
         if kind == "experts":  # E/N (+ redundant slots) per GPU
             nbytes = nbytes * (cfg.n_routed_experts + redundant) / cfg.n_routed_experts / n

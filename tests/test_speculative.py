@@ -82,11 +82,11 @@ def _mixed(rng, n):
     return out
 
 
-@pytest.mark.parametrize("kv,k", [("auto", 1), ("fp8", 2)])
-def test_same_tokens_as_reference(ckpt, kv, k):
+def test_same_tokens_as_reference(ckpt, kv="auto", k=1):
     """Greedy, seeded and top-logprobs requests (some prompts chunked), then the same prompts extended
     (prefix-cache hits): the speculative engine returns the reference's tokens, logprobs, finish reasons
-    and texts. (Stop strings: test_accept_path_with_injected_drafts.)"""
+    and texts. (Stop strings: test_accept_path_with_injected_drafts; k = 2 over an FP8 cache:
+    test_precompile_covers_speculative_programs.)"""
     rng = np.random.default_rng()
     base, spec = _load(ckpt, kv_cache_dtype=kv), _load(ckpt, k, kv_cache_dtype=kv)
     # async scheduling (the default) is accepted with speculation; speculative steps run synchronously
@@ -96,8 +96,6 @@ def test_same_tokens_as_reference(ckpt, kv, k):
     _assert_same(_run(spec, prompts, params)[0], want)
     st = spec.engine.stats
     assert st.spec_num_draft_tokens > 0 and len(st.spec_accepted_per_pos) == k
-    if kv != "auto":  # (suite time) the prefix-cache round once, on the bf16 cache
-        return
     hits = spec.engine.stats.prefix_cache_hits
     longer = [p + w[0] + rng.integers(2, V, size=3).tolist() for p, w in zip(prompts, want)]
     want2, _ = _run(base, longer, params)
@@ -207,14 +205,20 @@ def test_mesh_dbo(ckpt, tmp_path):
 
 
 def test_precompile_covers_speculative_programs(ckpt):
-    """After start-up compilation nothing the speculative engine runs traces a program again."""
-    spec = _load(ckpt, 2, max_num_seqs=2, max_model_len=16)
+    """k = 2 over an FP8 KV cache: after start-up compilation nothing the speculative engine runs traces a
+    program again, and it returns the reference's tokens, logprobs, finish reasons and texts."""
+    small = dict(max_num_seqs=2, max_model_len=16, kv_cache_dtype="fp8")
+    spec = _load(ckpt, 2, **small)
     spec.engine.precompile(progress=False)
     counts = dict(spec.engine.runner.trace_counts)
     rng = np.random.default_rng()
     prompts = _prompts(rng, 3, 3, 12)
-    _run(spec, prompts + [prompts[0] + [5, 6, 7]], _mixed(rng, 4))
+    prompts, params = prompts + [prompts[0] + [5, 6, 7]], _mixed(rng, 4)
+    got, _ = _run(spec, prompts, params)
     assert dict(spec.engine.runner.trace_counts) == counts
+    want, _ = _run(_load(ckpt, **small), prompts, params)
+    _assert_same(got, want)
+    assert spec.engine.stats.spec_num_draft_tokens > 0 and len(spec.engine.stats.spec_accepted_per_pos) == 2
 
 
 def test_bad_configs_refused(ckpt):
