@@ -241,6 +241,8 @@ def main():
     ap.add_argument("--grid", type=json.loads, help="sweep grid for the --only kernel, JSON: {param: [values]}")
     ap.add_argument("--heads", type=int, nargs="+", default=[128, 16], help="MLA query heads (128: V3; 16: V2-Lite)")
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=("bf16", "fp8"), help="MLA cache dtypes")
+    ap.add_argument("--sweep-kv", nargs="+", default=["bf16"], choices=("bf16", "fp8"),
+                    help="MLA cache dtypes --sweep times alternatives for")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: checks the script on CPU")
     a = ap.parse_args()
     plat = platform()
@@ -260,7 +262,7 @@ def main():
     if a.only in (None, "mla"):
         for ctx in a.context:
             run_mla(a.batch, ctx, bw, rate, a.sweep, a.smoke, interpret, a.heads, a.grid if a.only == "mla" else None,
-                    a.kv)
+                    a.kv, tuple(a.sweep_kv))
     if a.only in (None, "mfa"):
         run_mfa(a.batch, 4096 if not a.smoke else a.context[0], bw, rate, a.sweep, a.smoke, interpret,
                 a.grid if a.only == "mfa" else None)
