@@ -77,8 +77,8 @@ def _mla_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, len_ptr, o_ptr, lse_pt
             byte = tl.load(row + SCALE_COL, mask=valid, other=127)
             row_scale = tl.exp2(byte.to(tl.float32) - 127.0)  # [BN]
         else:
-            k = tl.load(row[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)  # [BN, C]
-            kr = tl.load(row[:, None] + C + offs_r[None, :], mask=valid[:, None], other=0.0)  # [BN, R]
+            k = tl.load(row[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0).to(cdt)  # [BN, C]
+            kr = tl.load(row[:, None] + C + offs_r[None, :], mask=valid[:, None], other=0.0).to(cdt)  # [BN, R]
         sc = tl.dot(q, tl.trans(k)) + tl.dot(qr, tl.trans(kr))  # [BH, BN] f32
         if FP8:
             sc = sc * (row_scale * QK_SCALE)[None, :]
