@@ -23,8 +23,10 @@ def _layout(tmp_path, dbo, backend="a2a", redundant=0):
 
 
 @needs8
-@pytest.mark.parametrize("routing,backend,redundant", [("uniform", "a2a", 8), ("adversarial", "a2a", 0),
-                                                       ("adversarial", "replicated", 8), ("uniform", "ffi", 0)])
+# Each backend once (suite time): a2a with redundant slots under adversarial routing, replicated with
+# them, the FFI without.
+@pytest.mark.parametrize("routing,backend,redundant", [("adversarial", "a2a", 8), ("uniform", "replicated", 8),
+                                                       ("uniform", "ffi", 0)])
 def test_dbo_equals_one_batch(checkpoints, tmp_path, routing, backend, redundant):  # noqa: F811
     if backend == "ffi":
         from moejax.parallel import ffi_library
