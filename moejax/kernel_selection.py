@@ -441,25 +441,27 @@ MLA_KERNELS = ("auto", "pallas", "triton")
 
 def mla_kernel(heads: int, latent: int, rope: int, cache_dtype) -> str:
     """Which kernel runs MLA decode on a GPU: "triton" (triton_mla_decode, the Triton language through
-    jax-triton: 64-head programs on wgmma with pipelined cache tiles, 216 KB of shared memory, so NVIDIA
-    Hopper only) for 64+ heads with a bf16 cache on CUDA where jax-triton is installed, else "pallas"
-    (paged_decode_attention; ROCm's 64 KB of LDS cannot hold the Triton kernel's tiles).
+    jax-triton: 64-head programs on wgmma with pipelined cache tiles, up to 216 KB of shared memory, so
+    NVIDIA Hopper only) for 64+ heads over an FP8 cache on CUDA where jax-triton is installed, else
+    "pallas" (paged_decode_attention, or XLA where that is slower). H100, 128 heads x 512 sequences x
+    2048 (benchmarks/2026-12-06b/h100/rC/mla*.txt): FP8 cache Triton 2.12 ms, XLA 3.84, Pallas' page
+    tile 6.94; bf16 cache Triton 1.54 ms, Pallas' gather tile 1.40 (and 0.83 vs 0.75 at 256 sequences):
+    bf16 stays on Pallas. ROCm's 64 KB of LDS cannot hold the Triton kernel's tiles.
     ``MOEJAX_MLA_KERNEL=pallas|triton`` forces one (measuring)."""
     want = os.environ.get(MLA_KERNEL_ENV, "auto")
     if want not in MLA_KERNELS:
         raise ValueError(f"{MLA_KERNEL_ENV} must be one of {MLA_KERNELS}, got {want!r}")
     if want != "auto":
         return want
-    ok = (platform() == "cuda" and heads >= 64 and not _fp8(cache_dtype) and _triton_dim(latent)
-          and _triton_dim(rope))
+    ok = platform() == "cuda" and heads >= 64 and _fp8(cache_dtype) and _triton_dim(latent) and _triton_dim(rope)
     return "triton" if ok and jax_triton_compat.available()[0] else "pallas"
 
 
 def _triton_mla_params(batch: int, heads: int, max_len: int) -> dict:
     """Tiling of triton_mla_decode: 64 heads a program (one wgmma M tile, two warpgroups splitting the
-    [64, 512] accumulator), 64 tokens a step, 2 stages (two [64, 576] bf16 cache tiles and the queries:
-    216 KB of shared memory; no spills, ptxas on sm_90a); context splits until the programs fill the GPU,
-    each split >= 256 tokens."""
+    [64, 512] accumulator), 64 tokens a step, 2 stages (FP8 cache: 2.12 ms vs 2.79 with 32 tokens, H100,
+    512 x 2048; bf16: two [64, 576] cache tiles and the queries, 216 KB of shared memory, no spills);
+    context splits until the programs fill the GPU, each split >= 256 tokens."""
     block_h = 64 if heads >= 64 else 16
     programs = batch * -(-heads // block_h)
     num_splits = max(1, min(max(1, max_len // 256), -(-num_compute_units() // max(programs, 1)), 16))

@@ -208,22 +208,26 @@ def test_fp8_selection_on_gpu(monkeypatch):
         assert select_mfa(256, 64, 256, 1, 4096, 16, FP8).impl == "xla"
         assert select_mla(256, 16, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
         assert select_mla(256, 128, 512, 64, 2048, 16, BF16).params["tile"] == "gather"
-        # with jax-triton: the Triton kernel for 64+ heads over a bf16 cache (CUDA only), Pallas otherwise
+        # with jax-triton: the Triton kernel for 64+ heads over an FP8 cache (CUDA only; XLA before),
+        # the Pallas kernels otherwise (bf16 caches: Pallas' gather tile timed faster)
         monkeypatch.setattr(selection.jax_triton_compat, "available", lambda: (True, ""))
-        c = select_mla(512, 128, 512, 64, 2048, 16, BF16)
+        c = select_mla(512, 128, 512, 64, 2048, 16, FP8)
         assert c.impl == "triton" and c.params["block_h"] == 64 and c.params["num_splits"] == 1
-        assert select_mla(8, 128, 512, 64, 2048, 16, BF16).params["num_splits"] > 1  # splits fill the GPU
-        assert select_mla(256, 16, 512, 64, 2048, 16, BF16).impl == "pallas"
-        assert select_mla(256, 128, 512, 64, 2048, 16, FP8).impl == "xla"
+        assert select_mla(8, 128, 512, 64, 2048, 16, FP8).params["num_splits"] > 1  # splits fill the GPU
+        assert select_mla(256, 16, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
+        assert select_mla(512, 128, 512, 64, 2048, 16, BF16).params["tile"] == "gather"
         monkeypatch.setenv(selection.MLA_KERNEL_ENV, "pallas")
-        assert select_mla(512, 128, 512, 64, 2048, 16, BF16).impl == "pallas"
+        assert select_mla(512, 128, 512, 64, 2048, 16, FP8).impl == "xla"
+        monkeypatch.setenv(selection.MLA_KERNEL_ENV, "triton")
+        assert select_mla(512, 128, 512, 64, 2048, 16, BF16).impl == "triton"
         monkeypatch.setenv(selection.MLA_KERNEL_ENV, "flash")
         with pytest.raises(ValueError, match=selection.MLA_KERNEL_ENV):
             select_mla(512, 128, 512, 64, 2048, 16, BF16)
         monkeypatch.delenv(selection.MLA_KERNEL_ENV)
         monkeypatch.setattr(selection, "platform", lambda: "rocm")
-        assert select_mla(512, 128, 512, 64, 2048, 16, BF16).impl == "pallas"  # 64 KB of LDS
+        assert select_mla(512, 128, 512, 64, 2048, 16, FP8).impl == "xla"  # 64 KB of LDS: no Triton kernel
         monkeypatch.setattr(selection, "platform", lambda: "cuda")
+    monkeypatch.setattr(selection.jax_triton_compat, "available", lambda: (False, "absent"))
     with kernel_mode("pallas"):
         assert select_mla(256, 128, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
 

@@ -102,12 +102,13 @@ print(json.dumps(dict(wgmma=sorted(set(re.findall(r"wgmma\.mma_async[\w.]*", k.a
 """
 
 
-def test_compiles_to_wgmma_without_spills():
+def test_compiles_to_wgmma_without_spills(tmp_path):
     """The selected tiling (64 heads, 64 tokens, 8 warps, 2 stages) compiled for sm_90 on this machine:
     both dots on wgmma, the cache tiles loaded by pipelined async copies, within Hopper's shared memory,
     and ptxas spilling nothing (a spill here cost the 64-head Pallas kernel its speed). A fresh process:
     Triton compiles only outside its interpreter."""
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)),
+               TRITON_CACHE_DIR=str(tmp_path))  # Triton's default (~/.triton) may not be writable
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
