@@ -94,6 +94,15 @@ def mla_reference(ql, qr, values, block_tables, seq_lens, block_size, scale):
     return out
 
 
+def stored_cache(values, kv: str, width: int):
+    """(cache, what its layer 1 holds as float32) for values [L, slots, width]: bf16 rows or kv_quant FP8 rows."""
+    if kv == "bf16":
+        cache = values.astype(BF16)
+        return cache, cache[1].astype(jnp.float32)
+    cache = quantize_rows(values, cache_row_dim(width, "fp8"))
+    return cache, dequantize_rows(cache[1], width)
+
+
 def mla_inputs(seed, B, H, C, R, block_size, nb, L=2):
     k = jax.random.split(jax.random.key(seed), 4)
     num_slots = B * nb * block_size + block_size
@@ -118,12 +127,7 @@ def test_mla_decode_matches_reference(kv, B, H, C, R, block_size, nb, lens, bloc
     values, ql, qr, bt = mla_inputs(fresh_key_seed(), B, H, C, R, block_size, nb)
     lens = jnp.asarray(lens, jnp.int32)
     scale = 0.3 / (C + R) ** 0.5 * 4
-    if kv == "bf16":
-        cache = values.astype(BF16)
-        stored = cache[1].astype(jnp.float32)
-    else:
-        cache = quantize_rows(values, cache_row_dim(C + R, "fp8"))
-        stored = dequantize_rows(cache[1], C + R)
+    cache, stored = stored_cache(values, kv, C + R)
     got = paged_decode_attention(ql, qr, cache, bt, lens, block_size=block_size, scale=scale, layer=1, block_h=block_h,
                             block_t=block_t, num_splits=splits, tile=tile, interpret=True)
     assert got.shape == (B, H, C) and got.dtype == jnp.float32

@@ -8,29 +8,17 @@ Seeds from the per-test seed (conftest; MOEJAX_TEST_SEED replays a failure)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import pytest
 
-from moejax.layers.kv_quant import cache_row_dim, dequantize_rows, quantize_rows
-from pallas_kernels.jax_triton_compat import available
 from pallas_kernels.triton_mla_decode import triton_mla_decode
-from test_kernels import BF16, fresh_key_seed, mla_inputs, mla_reference, rel_err
-
-ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
-if ON_GPU:
-    _ok, _why = available()
-    pytestmark = pytest.mark.skipif(not _ok, reason=_why)
-else:
-    pytestmark = pytest.mark.skipif(
-        any(importlib.util.find_spec(m) is None for m in ("triton", "torch")),
-        reason="Triton's interpreter needs triton and torch (CPU); not installed here")
+from test_kernels import BF16, fresh_key_seed, mla_inputs, mla_reference, rel_err, stored_cache
+from test_triton_fp8 import pytestmark  # noqa: F401 (the same skip: jax-triton on a GPU, the interpreter on CPU)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
@@ -44,12 +32,7 @@ def test_matches_reference(kv, B, H, C, R, block_size, nb, lens, block_h, block_
     values, ql, qr, bt = mla_inputs(fresh_key_seed(), B, H, C, R, block_size, nb)
     lens = jnp.asarray(lens, jnp.int32)
     scale = 1.2 / (C + R) ** 0.5
-    if kv == "bf16":
-        cache = values.astype(BF16)
-        stored = cache[1].astype(jnp.float32)
-    else:
-        cache = quantize_rows(values, cache_row_dim(C + R, "fp8"))
-        stored = dequantize_rows(cache[1], C + R)
+    cache, stored = stored_cache(values, kv, C + R)
     exact = mla_reference(ql, qr, stored, bt, lens, block_size, scale)
     kw = dict(block_size=block_size, scale=scale, layer=1, block_h=block_h, block_n=block_n, num_splits=splits)
     got = triton_mla_decode(ql, qr, cache, bt, lens, **kw)
