@@ -372,10 +372,15 @@ def triton_moe_params(num_rows: int, num_experts: int) -> dict:
     """Tiles of the Triton W8A8 fused MoE (pallas_kernels/triton_block_fp8.py), the best of the H100 sweep
     at the V3 EP8-rank share (benchmarks/2026-12-06/h100/call2/kern.txt): up to 16 rows an expert one
     16-row tile (the weights stream once; 683 us at 16 rows), above it 64-row tiles, 8 warps, 4 stages
-    (128 rows 999 us vs 1139 with 4 warps / 3 stages; 512 rows 2980 vs 3660; 128-row tiles 3775+)."""
+    (128 rows 999 us vs 1139 with 4 warps / 3 stages; 512 rows 2980 vs 3660; 128-row tiles 3775+).
+    ROCm: 2 stages, as the Pallas kernels there (not run: no AMD GPU here)."""
     if num_rows / max(num_experts, 1) <= 16:
-        return dict(block_m=16, block_n_down=128, num_warps=8, num_stages=3)
-    return dict(block_m=64, block_n_down=128, num_warps=8, num_stages=4)
+        p = dict(block_m=16, block_n_down=128, num_warps=8, num_stages=3)
+    else:
+        p = dict(block_m=64, block_n_down=128, num_warps=8, num_stages=4)
+    if platform() == "rocm":
+        p["num_stages"] = 2
+    return p
 
 
 def triton_gemm_params(m: int, n: int, k: int) -> dict:
@@ -396,10 +401,8 @@ def grouped_mlp_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s
     if fp8 is not None and _want_pallas(mode)[0] and w8a8_kernel() == "triton":
         ws = [jax.lax.bitcast_convert_type(w, fp8) if jnp.dtype(w.dtype) == jnp.dtype(jnp.uint8) else w
               for w in (w_gate, w_up, w_down)]  # uint8: the bytes of fnuz weights (ROCm)
-        p = triton_moe_params(N, E)
-        if platform() == "rocm":
-            p["num_stages"] = 2  # as the Pallas kernels there (not run: no AMD GPU here)
-        return fused_moe_block_fp8(x_sorted, group_sizes, ws[0], s_gate, ws[1], s_up, ws[2], s_down, **p)
+        return fused_moe_block_fp8(x_sorted, group_sizes, ws[0], s_gate, ws[1], s_up, ws[2], s_down,
+                                   **triton_moe_params(N, E))
     c = select_moe_fp8(N, E, H, I, x_sorted.dtype, w_gate.dtype, variant, mode)
     if c.impl != "pallas":
         return None

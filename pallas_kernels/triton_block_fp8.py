@@ -142,10 +142,11 @@ def _gate_up_kernel(x_ptr, xs_ptr, src_ptr, eid_ptr, wg_ptr, sg_ptr, wu_ptr, su_
     # Requantise per token per 128 channels (this tile is one group): act_quant's formula.
     hs = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10) * INV_MAX
     hq = h / hs[:, None]
-    # Round to e4m3's 3 mantissa bits (e4m3fn and e4m3fnuz alike) (to nearest even) in f32 first, so the cast is exact: Triton's
-    # interpreter (3.6) drops a binade when rounding carries into the exponent (124.1 -> 64), and the CPU
-    # tests run there; the GPU's cvt gives the same result either way (e4m3 subnormals, |q| < 2**-6, are
-    # rounded twice: at most one step of 2**-9 on values ~448x below the group's largest).
+    # Round to e4m3's 3 mantissa bits (e4m3fn and e4m3fnuz alike; to nearest even) in f32 first, so the
+    # cast is exact: Triton's interpreter (3.6) drops a binade when rounding carries into the exponent
+    # (124.1 -> 64), and the CPU tests run there; the GPU's cvt gives the same result either way (e4m3
+    # subnormals, |q| < 2**-6, are rounded twice: at most one step of 2**-9 on values ~448x below the
+    # group's largest).
     bits = hq.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
     hq = bits.to(tl.float32, bitcast=True).to(h_ptr.dtype.element_ty)
