@@ -72,7 +72,15 @@ def test_buckets_cover_every_batch():
             assert (b.paged(per_rank, S), S) in paged and per_rank <= b.paged(per_rank, S)
 
 
-def test_precompiled_server_never_compiles(tiny_path):
+def test_precompiled_server_and_handoff_never_compile(tiny_path):
+    """A server started with precompilation answers /health 503 "starting" until every program is built,
+    then serves a mixed workload (prompt lengths across buckets, chunked long prompts, prefix hits,
+    concurrency changes, sampling and logprob variants) with zero compiles. Then, on the same precompiled
+    engine once the server has stopped (one start-up compilation for both checks): the disaggregated
+    handoff (a prefilled sequence's rows exported, then imported into an engine; here the same engine
+    exports and re-imports them) runs precompiled programs only."""
+    from moejax.engine.kv_handoff import add_prefilled, take_prefilled
+    from moejax.engine.sampling_params import SamplingParams
     model = moejax.load(tiny_path, **LOAD)
     app, aengine = make_app(model, "tiny", precompile=True)
     srv = ServerThread(app=app).start()
@@ -101,6 +109,17 @@ def test_precompiled_server_never_compiles(tiny_path):
         assert metrics["moejax:startup_programs"] > 0 and metrics["vllm:prefix_cache_hits_total"] > 0
     finally:
         srv.stop()
+    assert not aengine._thread.is_alive()  # the engine is this thread's now
+    eng = model.engine
+    for n in (5, 37, 80):
+        seq = eng.add_request(rng.integers(2, 300, size=n).tolist(), SamplingParams(max_new_tokens=6, ignore_eos=True))
+        while not seq.output_ids:
+            eng.step()
+        moved = add_prefilled(eng, take_prefilled(eng, seq))
+        while not moved.is_finished:
+            eng.step()
+        assert moved.num_output_tokens == 6
+    assert compilation.COUNTER.snapshot()[0] == built
 
 
 def test_restart_with_cache_compiles_nothing(tiny_path, tmp_path):
@@ -124,23 +143,3 @@ def test_restart_with_cache_compiles_nothing(tiny_path, tmp_path):
     first, second = runs
     assert first["built"] > 0 and first["built"] > first["hits"]
     assert second["built"] == second["hits"] > 0, second  # every program came from the cache
-
-
-def test_precompiled_handoff_never_compiles(tiny_path):
-    """The disaggregated handoff (a prefilled sequence's rows exported, then imported into an engine) runs
-    precompiled programs only; here the same engine exports and re-imports them."""
-    from moejax.engine.kv_handoff import add_prefilled, take_prefilled
-    from moejax.engine.sampling_params import SamplingParams
-    m = moejax.load(tiny_path, precompile=True, **LOAD)
-    eng = m.engine
-    built = compilation.COUNTER.snapshot()[0]
-    rng = np.random.default_rng()
-    for n in (5, 37, 80):
-        seq = eng.add_request(rng.integers(2, 300, size=n).tolist(), SamplingParams(max_new_tokens=6, ignore_eos=True))
-        while not seq.output_ids:
-            eng.step()
-        moved = add_prefilled(eng, take_prefilled(eng, seq))
-        while not moved.is_finished:
-            eng.step()
-        assert moved.num_output_tokens == 6
-    assert compilation.COUNTER.snapshot()[0] == built
