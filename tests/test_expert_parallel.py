@@ -50,6 +50,18 @@ def _load(path, parallel=None, **kw):
                        progress=False, **kw)
 
 
+_MODELS: dict = {}
+
+
+def _single(path, **kw):
+    """The one-device reference, loaded once per module and configuration (scoring and generating leave
+    it as it was: the engine ends idle); the conftest drops ``_MODELS`` after the module."""
+    key = (path, tuple(sorted(kw.items())))
+    if key not in _MODELS:
+        _MODELS[key] = _load(path, **kw)
+    return _MODELS[key]
+
+
 # Left out to keep the suite's time: dp4 with one-rank routing (dp8's covers it, and Step3's tests run
 # dp4-ep4) and replicated with uniform routing (it gathers every token whatever the routing).
 # Uniform routing on 4 ranks, one-rank routing on 8 with each backend (suite time: uniform on 8 ranks adds
@@ -60,7 +72,7 @@ def test_ep_matches_single_device(checkpoints, tmp_path, routing, n, backend):
     """DP attention + EP experts against the one-device run of the same checkpoint: prefill logits
     (rel 1e-5), greedy tokens and logprobs of 32 decode steps, uniform and one-rank routing."""
     path = checkpoints[routing]
-    single = _load(path)
+    single = _single(path)
     ep = _load(path, _layout(tmp_path, n, backend))
     rng = np.random.default_rng()
     ids = rng.integers(2, 320, size=(8, 21))
@@ -84,7 +96,7 @@ def test_ep_fused_shared_experts_match_single_device(checkpoints, tmp_path, back
     dispatched) against the unfused one-device run: prefill logits rel 1e-5, greedy tokens and
     logprobs of 8 decode steps; the dispatched pairs count routed experts only."""
     path = checkpoints["uniform"]
-    single = _load(path, fuse_shared_experts="off")
+    single = _single(path, fuse_shared_experts="off")
     ep = _load(path, _layout(tmp_path, 8, backend), fuse_shared_experts="on")
     rng = np.random.default_rng()
     ids = rng.integers(2, 320, size=(8, 13))
@@ -101,7 +113,7 @@ def test_adversarial_routing_really_hits_one_rank(checkpoints):
     from moejax.layers.router import select_experts
     from moejax.models.registry import parse_model_config
     cfg = parse_model_config(CFG)
-    m = _load(checkpoints["adversarial"])
+    m = _single(checkpoints["adversarial"])
     router = m.params["layers_1"]["mlp"]["gate"]
     x = np.random.default_rng().standard_normal((64, cfg.hidden_size)).astype(np.float32)
     idx, _ = select_experts(x @ np.asarray(router["weight"]).T, cfg, router["e_score_correction_bias"])
