@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul
 from pallas_kernels.fused_moe import fused_moe
 from pallas_kernels.fused_moe_fp8 import fused_moe_fp8
-from pallas_kernels import jax_triton_compat
-from pallas_kernels.triton_block_fp8 import fused_moe_block_fp8
+from pallas_kernels import cublaslt_fp8_gemm, jax_triton_compat
+from pallas_kernels.triton_block_fp8 import act_quant_triton, block_fp8_matmul, fused_moe_block_fp8, fused_moe_triton
 from pallas_kernels.triton_mla_decode import triton_mla_decode
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 
@@ -164,7 +164,28 @@ def grouped_mlp(x_sorted, group_sizes, w_gate, w_up, w_down, shared=(), mode: st
     c = select_moe(N, group_sizes.shape[0], H, I, x_sorted.dtype, mode)
     if c.impl != "pallas":
         return None
+    if not shared and moe_kernel() == "triton":
+        return fused_moe_triton(x_sorted, group_sizes, w_gate, w_up, w_down,
+                                **triton_moe_bf16_params(N, group_sizes.shape[0]))
     return fused_moe(x_sorted, group_sizes, w_gate, w_up, w_down, *shared, **c.params)
+
+
+MOE_KERNELS = ("auto", "pallas", "triton")
+MOE_KERNEL_ENV = "MOEJAX_MOE_KERNEL"
+
+
+def moe_kernel() -> str:
+    """Which kernel runs the bf16 routed experts on a GPU where ``select_moe`` picks a kernel: "pallas"
+    (``fused_moe``, which also takes the shared experts as extra groups) or "triton" (the Triton-language
+    ``fused_moe_triton`` through jax-triton; the shared experts then run beside it).
+    ``MOEJAX_MOE_KERNEL=pallas|triton`` forces one ("triton" without jax-triton raises at the first call,
+    naming the install)."""
+    want = os.environ.get(MOE_KERNEL_ENV, "auto")
+    if want not in MOE_KERNELS:
+        raise ValueError(f"{MOE_KERNEL_ENV} must be one of {MOE_KERNELS}, got {want!r}")
+    if want != "auto":
+        return want
+    return "pallas"
 
 
 SHARED_FUSION = ("auto", "on", "off")
@@ -191,7 +212,7 @@ def fuse_shared_experts(num_experts: int, hidden: int, inter: int, dtype, mode: 
     setting = _FUSE_SHARED.get()
     if setting != "auto":
         return setting == "on"
-    return select_moe(num_experts, num_experts, hidden, inter, dtype, mode).impl == "pallas"
+    return select_moe(num_experts, num_experts, hidden, inter, dtype, mode).impl == "pallas" and moe_kernel() == "pallas"
 
 
 # ------------------------------------------------------------------ block-FP8 weights
@@ -254,8 +275,7 @@ def fp8_variant(variant: str, rows: int, groups: int, weight_dtype) -> str:
         family = "triton"  # (not run: no AMD GPU here; the kernel compiles for gfx942, tests/test_triton_fp8.py)
     elif plat == "cuda" and _fp8_weight_format(weight_dtype, "w8a8")[0] is not None:
         if groups <= 1:
-            lo, hi = DENSE_W8A8_ROWS
-            return "w8a8" if lo <= rows <= hi else "w8a16"
+            return "w8a8" if dense_w8a8_kernel(rows) else "w8a16"
         family = w8a8_kernel()
     else:
         return "w8a16"
@@ -383,6 +403,19 @@ def triton_moe_params(num_rows: int, num_experts: int) -> dict:
     return p
 
 
+def triton_moe_bf16_params(num_rows: int, num_experts: int) -> dict:
+    """Tiles of the Triton-language bf16 fused MoE (triton_block_fp8.fused_moe_triton): up to 16 rows an
+    expert one 16-row tile and 128-deep K steps (the weights stream once), above it 64-row tiles on 8 warps,
+    as the W8A8 kernel's sweep found. ROCm: 2 stages."""
+    if num_rows / max(num_experts, 1) <= 16:
+        p = dict(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=64, num_warps=4, num_stages=4)
+    else:
+        p = dict(block_m=64, block_n=128, block_k=64, block_n_down=128, block_k_down=64, num_warps=8, num_stages=4)
+    if platform() == "rocm":
+        p["num_stages"] = 2
+    return p
+
+
 def triton_gemm_params(m: int, n: int, k: int) -> dict:
     """Tiles of the Triton W8A8 dense GEMM (benchmarks only: ``w8a8_kernel`` says why the model keeps
     Pallas): 64 x 128 x 128, 4 warps, grouped launch (the best of the torch-Triton probe at M 128-2048,
@@ -414,11 +447,57 @@ def fp8_linear(x2, w, scale, variant: str = "w8a16", out_dtype=None, mode: str |
                weight_format: str | None = None):
     """x2 [M, K] @ (w [N, K] * scale)^T through the selected Pallas kernel; None when XLA should run."""
     M, K = x2.shape
+    out_dtype = jnp.dtype(out_dtype or x2.dtype)
+    kernel = dense_w8a8_kernel(M) if variant == "w8a8" and _want_pallas(mode)[0] else None
+    if (kernel == "cublaslt" and jnp.dtype(w.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+            and not cublaslt_fp8_gemm.check(*w.shape)):
+        quant = act_quant_triton if jax_triton_compat.available()[0] else None
+        return cublaslt_fp8_gemm.cublaslt_fp8_matmul(x2, w, scale, out_dtype=out_dtype, quant=quant)
     c = select_fp8_linear(M, w.shape[0], K, x2.dtype, w.dtype, variant, mode)
     if c.impl != "pallas":
         return None
+    fp8 = triton_fp8_type(w.dtype, weight_format) if c.params["variant"] == "w8a8" else None
+    if fp8 is not None and kernel == "triton":
+        w = jax.lax.bitcast_convert_type(w, fp8) if jnp.dtype(w.dtype) == jnp.dtype(jnp.uint8) else w
+        return block_fp8_matmul(x2, w, scale, out_dtype=out_dtype, **triton_gemm_params(M, w.shape[0], K))
     p = dict(c.params, **({"weight_format": weight_format} if weight_format else {}))
-    return block_scaled_matmul(x2, w, scale, out_dtype=jnp.dtype(out_dtype or x2.dtype), **p)
+    return block_scaled_matmul(x2, w, scale, out_dtype=out_dtype, **p)
+
+
+W8A8_DENSE_KERNEL_ENV = "MOEJAX_W8A8_DENSE_KERNEL"
+
+
+W8A8_DENSE_KERNELS = ("auto", "pallas", "triton", "cublaslt")
+
+
+def dense_w8a8_kernel(rows: int) -> str | None:
+    """Which kernel runs a W8A8 dense projection of ``rows`` rows on CUDA, or None (W8A16: the Pallas kernel
+    up to 64 rows, XLA's dequantise-then-dot above): DENSE_W8A8_ROWS on the Pallas kernel; above them
+    (prefill) cuBLASLt's block-scaled FP8 GEMM where its library is built. ``MOEJAX_W8A8_DENSE_KERNEL``
+    forces a family for every row count from DENSE_W8A8_ROWS[0]: "pallas" / "triton" (triton_block_fp8's
+    GEMM) within the range, "cublaslt" with no upper bound (without the library it raises at the first
+    call, naming the build).
+
+    Measured (H100, benchmarks/2026-12-06c/h100): cuBLASLt's GEMM beats cuBLAS's bf16 one at o_proj
+    16384 -> 7168 by 1.45x / 1.37x / 1.55x at M 512 / 2048 / 16384 and the Pallas W8A8 kernel at every
+    V3 projection at M 512 (rI/gemm.txt); FP8 prefill 8 x 2048 171.7 -> 142.4 ms with it (1.22x bf16,
+    rJ/prefill.txt). In the decode step its device time is lower (ops 11.8 vs 12.6 ms a step at 512 x
+    2048, rJ/prof.txt) and 256 x 2048 went 7.5 -> 6.9 ms, but the step's wall time at 512 x 2048 was
+    16.1 and 17.8 ms in two of three runs (p90 22-27 ms: stalls between ops, not understood) against the
+    Pallas kernel's 12.5-12.7 ms: decode keeps Pallas until that is explained."""
+    want = os.environ.get(W8A8_DENSE_KERNEL_ENV, "auto")
+    if want not in W8A8_DENSE_KERNELS:
+        raise ValueError(f"{W8A8_DENSE_KERNEL_ENV} must be one of {W8A8_DENSE_KERNELS}, got {want!r}")
+    lo, hi = DENSE_W8A8_ROWS
+    if rows < lo:
+        return None
+    if want == "cublaslt":
+        return want
+    if rows <= hi:
+        return "pallas" if want == "auto" else want
+    if want == "auto" and platform() == "cuda" and cublaslt_fp8_gemm.available()[0]:
+        return "cublaslt"
+    return None
 
 
 # ------------------------------------------------------------------ MLA decode

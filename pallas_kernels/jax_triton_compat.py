@@ -51,11 +51,12 @@ def _import(interpret: bool):
 
 
 def _fix_interpreter():
-    """Two faults of Triton 3.6's interpreter, mended in place (the compiled path is untouched):
+    """Three faults of Triton 3.6's interpreter, mended in place (the compiled path is untouched):
     it holds a loaded scalar as a one-element 1-d array and turns it into a Python int with
     ``int(array)``, which NumPy 2 refuses (a loop bounded by a sequence's loaded length fails); and its
     dot multiplies bfloat16 operands as their raw uint16 bits (it widens only FP8). Its scalar
-    ``__index__`` takes the single element; bf16 dot operands are widened to float32 (exact)."""
+    ``__index__`` takes the single element; bf16 dot operands are widened to float32 (exact). And its
+    float32 -> bfloat16 cast truncates where the GPU rounds to nearest even: it rounds to nearest even."""
     from triton.runtime import interpreter
 
     orig = interpreter._patch_lang_tensor
@@ -80,6 +81,19 @@ def _fix_interpreter():
         return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
 
     builder.create_dot = lambda self, a, b, *rest: dot(self, widen(a), widen(b), *rest)
+
+    cast = builder.cast_impl
+
+    def cast_rne(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return cast(self, src, dst_type)
+        bits = np.ascontiguousarray(src.data, np.float32).view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even, as the GPU's cvt.rn
+        nan = np.isnan(src.data)
+        out = np.where(nan, np.uint64(0x7FC0), bits).astype(np.uint16)
+        return interpreter.TensorHandle(out, tl.bfloat16)
+
+    builder.cast_impl = cast_rne
 
 
 @functools.lru_cache(maxsize=None)

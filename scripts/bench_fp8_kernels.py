@@ -42,7 +42,9 @@ from pallas_kernels.block_scaled_matmul import block_scaled_matmul  # noqa: E402
 from pallas_kernels.fused_moe import fused_moe  # noqa: E402
 from pallas_kernels.fused_moe_fp8 import fused_moe_fp8  # noqa: E402
 from pallas_kernels.jax_triton_compat import available as triton_available  # noqa: E402
-from pallas_kernels.triton_block_fp8 import block_fp8_matmul, fused_moe_block_fp8  # noqa: E402
+from pallas_kernels.cublaslt_fp8_gemm import available as cublaslt_available  # noqa: E402
+from pallas_kernels.cublaslt_fp8_gemm import check as cublaslt_check, cublaslt_fp8_matmul  # noqa: E402
+from pallas_kernels.triton_block_fp8 import act_quant_triton, block_fp8_matmul, fused_moe_block_fp8  # noqa: E402
 
 BF16, FP8 = jnp.bfloat16, jnp.float8_e4m3fn
 PROJECTIONS = {"q_a": (7168, 1536), "q_b": (1536, 24576), "kv_a": (7168, 576), "o_proj": (16384, 7168)}  # in, out
@@ -93,8 +95,8 @@ def triton_moe_grid(sweep: bool):
 
 
 def triton_gemm_grid(sweep: bool):
-    return [None] + ([dict(block_m=bm, block_n=128, block_k=128, group_m=8, num_warps=nw, num_stages=ns)
-                      for bm, nw, ns in itertools.product((16, 32, 64, 128), (4, 8), (3, 4))] if sweep else [])
+    return [None] + ([dict(block_m=bm, block_n=bn, block_k=128, group_m=8, num_warps=nw, num_stages=ns)
+                      for bm, bn, nw, ns in itertools.product((64, 128), (128, 256), (4, 8), (3, 4))] if sweep else [])
 
 
 def moe_grid():
@@ -214,9 +216,14 @@ def run_gemm(ms, bw, smoke, interpret, iters, warmup, sweep=False):
                     f = jax.jit(functools.partial(block_fp8_matmul, **c))
                     tt, y = timed(f, x, w, s, iters=iters, warmup=warmup)
                     cases.append(("tri" if i == 0 else "tri*", tt, y, c))
+            if cublaslt_available()[0] and not cublaslt_check(Nout, K):  # cuBLASLt's block-scaled FP8 GEMM
+                quant = act_quant_triton if TRITON else None
+                tt, y = timed(jax.jit(functools.partial(cublaslt_fp8_matmul, quant=quant)), x, w, s,
+                              iters=iters, warmup=warmup)
+                cases.append(("cublt", tt, y, {}))
             y_x8 = jax.jit(functools.partial(fp8_linear_xla, variant="w8a8"))(x, w, s)
             for path, tt, y, c in cases:
-                err = rel(y, y_x8 if path in ("w8a8", "tri", "tri*") else y_x) if (tt and t_x) else float("nan")
+                err = rel(y, y_x8 if path in ("w8a8", "tri", "tri*", "cublt") else y_x) if (tt and t_x) else float("nan")
                 ROWS.append(dict(kind="gemm", proj=name, K=K, N=Nout, M=M, path=path, us=tt and tt * 1e6,
                                  fp8_tbps=tt and fp8_bytes / tt / 1e12, floor_us=floor * 1e6, err_vs_xla=err,
                                  params=c))

@@ -28,11 +28,13 @@ sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call  # noqa: E402
 from moejax.kernel_selection import (_paged_decode_params, _triton_mla_params, kernel_mode, platform,  # noqa: E402
-                                     select_mfa, select_mla, select_moe)
+                                     select_mfa, select_mla, select_moe, triton_moe_bf16_params)
 from moejax.layers.experts import ExpertWeights, grouped_expert_mlp  # noqa: E402
 from moejax.layers.kv_quant import cache_row_dim, quantize_rows  # noqa: E402
 from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention  # noqa: E402
 from pallas_kernels.fused_moe import fused_moe  # noqa: E402
+from pallas_kernels.jax_triton_compat import available as triton_available  # noqa: E402
+from pallas_kernels.triton_block_fp8 import fused_moe_triton  # noqa: E402
 from pallas_kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
 from pallas_kernels.triton_mla_decode import triton_mla_decode  # noqa: E402
 
@@ -91,6 +93,13 @@ MLA_GRID = [
 ]
 
 
+def triton_moe_grid(t):
+    """Alternatives timed by --sweep for the Triton-language bf16 fused MoE (fused_moe_triton)."""
+    if t <= 16:
+        return {"block_m": [16], "block_k": [64, 128], "num_warps": [4, 8], "num_stages": [3, 4]}
+    return {"block_m": [64, 128], "block_k": [64], "num_warps": [4, 8], "num_stages": [3, 4]}
+
+
 MOE_SHAPES = {"v3-ep8": (32, 7168, 2048),    # one EP8 rank's share of DeepSeek-V3: 32 of 256 experts
               "v2-lite": (64, 2048, 1408),   # DeepSeek-V2-Lite: all 64 experts (I not a power of two)
               "step3-ep8": (6, 7168, 5120)}  # one EP8 rank's share of Step3: 6 of 48 experts
@@ -134,6 +143,18 @@ def run_moe(tokens, bw, rate, sweep, smoke, interpret, grid=None, shape="v3-ep8"
             print(f"{t:>7} {N:>6} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_d * 1e6:9.1f} {t_p * 1e6:9.1f} "
                   f"{wbytes / t_x / 1e12:8.2f} {wbytes / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  "
                   f"{tag} {c}")
+        if not (smoke or interpret) and triton_available()[0]:  # the Triton-language kernel ("pal" columns)
+            base = triton_moe_bf16_params(N, E)
+            tri = [base] + ([dict(base, **g) for g in expand(triton_moe_grid(t))] if sweep else [])
+            for i, c in enumerate(tri):
+                try:
+                    t_p = bench(jax.jit(functools.partial(fused_moe_triton, **c)), x, gs, wg, wu, wd)
+                except Exception as e:
+                    print(f"{t:>7} {N:>6}  triton config {c} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                print(f"{t:>7} {N:>6} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_d * 1e6:9.1f} {t_p * 1e6:9.1f} "
+                      f"{wbytes / t_x / 1e12:8.2f} {wbytes / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  "
+                      f"triton{' selected' if i == 0 else ''} {c}")
 
 
 def run_mla(batches, ctx, bw, rate, sweep, smoke, interpret, heads=(128,), grid=None, kvs=("bf16", "fp8"),

@@ -20,7 +20,8 @@ import pytest
 
 from moejax.weights.fp8 import dequantize_block_fp8, quantize_block_fp8
 from pallas_kernels.jax_triton_compat import available
-from pallas_kernels.triton_block_fp8 import block_fp8_matmul, fused_moe_block_fp8
+from pallas_kernels.fp8_utils import act_quant
+from pallas_kernels.triton_block_fp8 import act_quant_triton, block_fp8_matmul, fused_moe_block_fp8, fused_moe_triton
 from test_fp8_kernels import BF16, hf_weight, moe_case, moe_ref, np_act_qdq, rel_err, seed_for, where
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
@@ -82,6 +83,62 @@ def test_fused_moe_block_fp8_matches_reference(case):
     assert err < 1e-2, f"rel err {err:.2e}, {where(seed)}"
 
 
+def test_act_quant_kernel_is_act_quant():
+    """The one-pass Triton quantiser gives act_quant's codes and scales exactly (its division rounded to
+    nearest, subnormal codes rounded once): rows across 8 decades, K cut by the group edge."""
+    seed = seed_for("triton-act-quant")
+    rng = np.random.default_rng(seed)
+    for M, K in ((5, 300), (37, 1024)):
+        x = jnp.asarray(rng.standard_normal((M, K)) * np.exp(rng.uniform(-9, 9, (M, 1))), BF16)
+        q, s = act_quant_triton(x, block_m=16)
+        q0, s0 = act_quant(x)
+        assert q.dtype == q0.dtype and np.array_equal(np.asarray(s), np.asarray(s0)), where(seed)
+        assert np.array_equal(np.asarray(q, np.float32), np.asarray(q0, np.float32)), where(seed)
+
+
+def test_fused_moe_triton_bf16_matches_reference():
+    """The same kernels unscaled (bf16 weights in the model's [E, in, out] layout): against float64 with h
+    rounded to bf16 between the projections, as the Pallas fused_moe; cut dims, an empty expert, a spare
+    row (zero), several tiles an expert."""
+    seed = seed_for("triton-moe-bf16")
+    rng = np.random.default_rng(seed)
+    N, H, I, gs = 70, 136, 264, [0, 33, 0, 20, 16]
+    E = len(gs)
+    x = jnp.asarray(rng.standard_normal((N, H)), BF16)
+    wg, wu = (jnp.asarray(rng.standard_normal((E, H, I)) / H ** 0.5, BF16) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((E, I, H)) / I ** 0.5, BF16)
+    y = fused_moe_triton(x, jnp.asarray(gs, jnp.int32), wg, wu, wd, block_m=16, block_n=64, block_k=32,
+                         block_n_down=64, block_k_down=32)
+    xf, gf, uf, df = (np.asarray(a, np.float64) for a in (x, wg, wu, wd))
+    ref, s = np.zeros((N, H)), 0
+    for e, c in enumerate(gs):
+        a, b = xf[s:s + c] @ gf[e], xf[s:s + c] @ uf[e]
+        h = np.asarray(jnp.asarray(a / (1 + np.exp(-a)) * b, BF16), np.float64)
+        ref[s:s + c], s = h @ df[e], s + c
+    n = sum(gs)
+    assert y.shape == (N, H) and y.dtype == jnp.float32 and not np.any(np.asarray(y[n:])), where(seed)
+    # h's bf16 rounding can differ by one step where f32 and float64 land either side of a tie
+    assert rel_err(y[:n], ref[:n]) < (3e-3 if ON_GPU else 1e-4), f"rel err {rel_err(y[:n], ref[:n]):.2e}, {where(seed)}"
+    with pytest.raises(ValueError, match="block_k_down"):
+        fused_moe_triton(x, jnp.asarray(gs, jnp.int32), wg, wu, wd, block_n=32, block_k_down=64)
+    with pytest.raises(ValueError, match="w_down"):
+        fused_moe_triton(x, jnp.asarray(gs, jnp.int32), wg, wu, wd[:, :, :8])
+
+
+def test_bf16_moe_kernel_choice(monkeypatch):
+    """MOEJAX_MOE_KERNEL: "pallas" (default: measured level or ahead, BENCHMARKS.md) fuses the shared experts;
+    "triton" runs the routed experts through fused_moe_triton with the shared ones beside them (not fused)."""
+    from moejax import kernel_selection as selection
+    monkeypatch.setattr(selection, "platform", lambda: "cuda")
+    args = (32, 7168, 2048, BF16)
+    assert selection.moe_kernel() == "pallas" and selection.fuse_shared_experts(*args)
+    monkeypatch.setenv(selection.MOE_KERNEL_ENV, "triton")
+    assert selection.moe_kernel() == "triton" and not selection.fuse_shared_experts(*args)
+    monkeypatch.setenv(selection.MOE_KERNEL_ENV, "cutlass")
+    with pytest.raises(ValueError, match=selection.MOE_KERNEL_ENV):
+        selection.moe_kernel()
+
+
 def test_bad_shapes_name_the_field():
     rng = np.random.default_rng(0)
     q, s = quantize_block_fp8(hf_weight(rng, 64, 96))
@@ -134,8 +191,9 @@ from triton.compiler import ASTSource
 from pallas_kernels import triton_block_fp8 as T
 
 out = {}
-for arch, target, f8, inv in (("gfx942", GPUTarget("hip", "gfx942", 64), "fp8e4b8", 1 / 240),
-                              ("sm_90", GPUTarget("cuda", 90, 32), "fp8e4nv", 1 / 448)):
+import jax.numpy as jnp
+for arch, target, f8, jdt in (("gfx942", GPUTarget("hip", "gfx942", 64), "fp8e4b8", jnp.float8_e4m3fnuz),
+                              ("sm_90", GPUTarget("cuda", 90, 32), "fp8e4nv", jnp.float8_e4m3fn)):
     ptrs = lambda names, types: dict(zip(names, types))
     gate = ptrs(("x_ptr", "xs_ptr", "src_ptr", "eid_ptr", "wg_ptr", "sg_ptr", "wu_ptr", "su_ptr", "h_ptr", "hs_ptr"),
                 ("*" + f8, "*fp32", "*i32", "*i32", "*" + f8, "*fp32", "*" + f8, "*fp32", "*" + f8, "*fp32"))
@@ -143,8 +201,9 @@ for arch, target, f8, inv in (("gfx942", GPUTarget("hip", "gfx942", 64), "fp8e4b
                 ("*" + f8, "*fp32", "*i32", "*i32", "*" + f8, "*fp32", "*fp32"))
     dense = ptrs(("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "o_ptr"), ("*" + f8, "*fp32", "*" + f8, "*fp32", "*bf16"))
     shape = dict(N_ROWS=4096, H=7168, I=2048, I_PAD=2048, BM=64, BN=128, BK=128)
-    for name, kern, sig, consts in (("gate_up", T._gate_up_kernel, gate, dict(shape, INV_MAX=inv)),
-                                    ("down", T._down_kernel, down, shape),
+    for name, kern, sig, consts in (("gate_up", T._gate_up_kernel, gate,
+                                     dict(shape, SWN=7168, SWK=1, SCALED=True, **T._fp8_grid(jdt))),
+                                    ("down", T._down_kernel, down, dict(shape, SWN=2048, SWK=1, SCALED=True)),
                                     ("dense", T._dense_kernel, dense, dict(M=512, N=7168, K=7168, BM=64, BN=128,
                                                                            BK=128, GROUP_M=8))):
         src = ASTSource(kern.get(False), dict(sig, **{c: "constexpr" for c in consts}), consts)
@@ -156,11 +215,12 @@ print(json.dumps(out))
 """
 
 
-def test_kernels_compile_to_fp8_tensor_core_instructions():
+def test_kernels_compile_to_fp8_tensor_core_instructions(tmp_path):
     """Triton compiles the kernels on this machine for MI300X (gfx942, e4m3fnuz) and H100/H200 (sm_90,
     e4m3fn) without a GPU: their FP8 dots must become FP8 MFMA / wgmma instructions (AMDGCN / PTX;
     nothing is run: no AMD GPU here). A fresh process: Triton compiles only outside its interpreter."""
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)),
+               TRITON_CACHE_DIR=str(tmp_path))  # Triton's default (~/.triton) may not be writable
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     found = json.loads(r.stdout.strip().splitlines()[-1])
