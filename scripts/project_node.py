@@ -7,7 +7,7 @@ interconnect bandwidth, with and without dual-batch overlap (DBO). Real multi-GP
   python scripts/project_node.py --model v3 --concurrency 1024,2048,4096 --efficiency 0.6 --json out.json
 
 Per step of a node at concurrency C (T = C / 8 tokens per rank, every sequence one token):
-- compute: the EP8-rank preset's decode step measured on one H200 (MEASURED below, BENCHMARKS.md;
+- compute: the EP8-rank preset's decode step measured on one GPU (MEASURED below, BENCHMARKS.md;
   interpolated linearly in T between measured points), times full layers / preset layers;
 - exchange: per MoE layer, dispatch and combine, each rank sending to each other rank the tokens
   routed there: with the ``a2a`` backend today the whole static buffer [ranks, T, H] (worst case,
@@ -26,26 +26,30 @@ import json
 import math
 import sys
 
-# One H200, `scripts/bench_decode.py --preset <p> --kernels auto --fill random` (BENCHMARKS.md):
-# tokens per rank -> (step seconds, preset layers). DeepSeek-V3 with FP8 weights (bf16 does not fit
-# 8 x 141 GB: 671e9 x 2 B / 8 = 168 GB a GPU), Step3 in bf16 (321e9 x 2 B / 8 = 80 GB a GPU).
-# Since 2026-12-05d: the engine's async loop (the default), context 2048 (V3) / 4096 (Step3); scaling a
-# few layers' step to 61 also scales lm_head and sampling (pessimistic by up to ~1 ms x 61 / layers).
+# `scripts/bench_decode.py --preset <p> --kernels auto --fill random` (BENCHMARKS.md), one GPU: tokens per
+# rank -> (step seconds, preset layers, source). DeepSeek-V3 with FP8 weights (bf16 does not fit
+# 8 x 141 GB: 671e9 x 2 B / 8 = 168 GB a GPU). Since 2026-12-06c the points at 128-512 tokens a rank and
+# Step3's at 32 are from one H100 80GB (3.35 TB/s HBM3: pessimistic for an H200's 4.8 TB/s at these
+# memory-bound or mixed points); the others from one H200. The engine's async loop, context 2048 (V3) /
+# 4096 (Step3); scaling a few layers' step to 61 also scales lm_head and sampling (pessimistic by up to
+# ~1 ms x 61 / layers).
 MEASURED = {
     "v3": {"preset": "deepseek-v3-ep8-rank (FP8 weights)", "full_layers": 61, "moe_layers": 58, "hidden": 7168,
-           "points": {128: (13.677e-3, 8, "2026-12-05d FP8 c128, 8 layers"),
-                      256: (17.072e-3, 8, "2026-12-05d FP8 c256, 8 layers"),
-                      512: (28.643e-3, 8, "2026-12-05d FP8 c512, 8 layers"),
-                      1024: (114.27e-3, 12, "2026-12-04 FP8 c1024, 12 layers, sync loop")},
+           "points": {128: (12.421e-3, 8, "H100 2026-12-06c FP8 c128, 8 layers"),
+                      256: (14.221e-3, 8, "H100 2026-12-06c FP8 c256, 8 layers"),
+                      512: (24.190e-3, 8, "H100 2026-12-06c FP8 c512, 8 layers"),
+                      1024: (114.27e-3, 12, "H200 2026-12-04 FP8 c1024, 12 layers, sync loop")},
            # 256 experts top-8 in 8 groups, at most 4 groups a token (DeepSeek's node-limited routing);
            # with 32 experts a rank each group is one rank: a token reaches at most 4 ranks
            "experts": 256, "top_k": 8, "max_ranks_per_token": 4,
            "targets": "21,224 tok/s per 8x MI300X (SGLang, input 2000, output 100, concurrency 4096); "
                       "22,282 per 8x H100"},
-    "step3": {"preset": "step3-ep8-rank (bf16)", "full_layers": 61, "moe_layers": 56, "hidden": 7168,
-              "points": {32: (3.386e-3, 4, "2026-12-05d c32, 4 layers"), 64: (16.34e-3, 16, "2026-12-03c c64"),
-                         256: (34.03e-3, 16, "2026-12-03 c256"), 512: (52.27e-3, 16, "2026-12-03b c512"),
-                         1024: (70.81e-3, 12, "2026-12-03c c1024, 12 layers")},
+    "step3": {"preset": "step3-ep8-rank (FP8 weights at 32 tokens a rank, bf16 above)", "full_layers": 61,
+              "moe_layers": 56, "hidden": 7168,
+              "points": {32: (3.487e-3, 4, "H100 2026-12-06c FP8 c32, 4 layers"),
+                         64: (16.34e-3, 16, "H200 2026-12-03c c64"),
+                         256: (34.03e-3, 16, "H200 2026-12-03 c256"), 512: (52.27e-3, 16, "H200 2026-12-03b c512"),
+                         1024: (70.81e-3, 12, "H200 2026-12-03c c1024, 12 layers")},
               "experts": 48, "top_k": 3, "max_ranks_per_token": 3,
               "targets": "4,082 decode tok/s on 8x MI308X (input 4096, output 256, concurrency 256)"},
 }
@@ -118,8 +122,8 @@ def main(argv=None) -> int:
     if not 0 < a.efficiency <= 1:
         raise SystemExit(f"--efficiency must be in (0, 1], got {a.efficiency}")
     results = []
-    print("A MODEL (scripts/project_node.py): per-rank compute measured on one H200, exchange from bytes / "
-          "assumed bandwidth.\n")
+    print("A MODEL (scripts/project_node.py): per-rank compute measured on one GPU (H100 or H200, each point "
+          "says), exchange from bytes / assumed bandwidth.\n")
     for model in a.model.split(","):
         if model not in MEASURED:
             raise SystemExit(f"--model: unknown {model!r}; choose from {sorted(MEASURED)}")
