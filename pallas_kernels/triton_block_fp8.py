@@ -1,7 +1,8 @@
-"""Block-FP8 W8A8 GEMMs written in Triton (called through jax-triton): the dense projection and the
-routed-expert MLP, the design of vLLM's / SGLang's ``w8a8_block_fp8_matmul`` and block-quantised
-``fused_moe_kernel`` (DeepSeek-V3's scheme: 128 x 128 weight blocks, activations per token per 128
-channels).
+"""GEMMs written in Triton (called through jax-triton): the block-FP8 W8A8 dense projection and routed-expert
+MLP, the design of vLLM's / SGLang's ``w8a8_block_fp8_matmul`` and block-quantised ``fused_moe_kernel``
+(DeepSeek-V3's scheme: 128 x 128 weight blocks, activations per token per 128 channels); the same expert
+kernels unscaled in bf16 (``fused_moe_triton``, the model's [E, in, out] layout: selectable, measured level
+with the Pallas kernel, not chosen); and the per-token-group activation quantiser (``act_quant_triton``).
 
 Why Triton and not Pallas here: the same GEMMs through Pallas-Triton ran 2.4-4x slower on Hopper
 (``jax_triton_compat`` says more); these kernels keep the loops, pointers and masks as the Triton
