@@ -82,8 +82,8 @@ def test_sweep_end_to_end_on_tiny_model(tmp_path):
 def test_offline_decode_sweep_and_components(tmp_path):
     """sweep.py --offline runs bench_decode (moejax auto and XLA baseline, transformers peer) for
     each preset and concurrency and writes the CSV and plot; --collect rebuilds the same table from
-    the saved JSON and merges a later partial run keeping the earlier baseline; the step is split
-    into components and the donated cache is counted in the aliased bytes."""
+    the saved JSON and merges a later partial run keeping the earlier baseline. (bench_decode's
+    --components and --memory: test_a_failing_variant_is_recorded_and_the_others_kept.)"""
     rows = sweep.main(["--offline", "--presets", "v3-tiny", "--concurrency", "2",
                        "--random-input-len", "12", "--random-output-len", "10", "--steps", "2",
                        "--peer", "--fill", "random", "--out-dir", str(tmp_path)])
@@ -109,16 +109,6 @@ def test_offline_decode_sweep_and_components(tmp_path):
     assert len(merged) == 1 and merged[0]["tok_per_s"] == 2 * first["tok_per_s"]
     assert merged[0]["xla_tok_per_s"] == first["xla_tok_per_s"] and merged[0]["peer_tok_per_s"] == first["peer_tok_per_s"]
     assert (tmp_path / "decode_sweep.png").stat().st_size > 1000
-    import bench_decode
-    out = tmp_path / "components.json"
-    bench_decode.main(["--preset", "v3-tiny", "--concurrency", "2", "--input-len", "12", "--output-len", "10",
-                       "--steps", "2", "--components", "--memory", "--json", str(out)])
-    res = json.load(open(out))
-    comp = res["components_s"]
-    assert set(comp) == {"attention", "moe", "rest"} and comp["attention"] > 0 and comp["moe"] > 0
-    mem = res["runs"]["none"]["memory"]
-    assert mem["cache_bytes"] > 0 and mem["alias_bytes"] >= mem["cache_bytes"]  # the cache is donated
-    assert mem["temp_bytes"] > 0
 
 
 def test_random_fill_leaves_the_engine_as_a_prefill_would(tmp_path):
@@ -156,7 +146,9 @@ def test_random_fill_leaves_the_engine_as_a_prefill_would(tmp_path):
 def test_a_failing_variant_is_recorded_and_the_others_kept(tmp_path, monkeypatch):
     """bench_decode: a variant that fails on the device (here the XLA baseline out of memory, as it
     was at Step3 c1024 on the H200) is recorded with its reason; the measured one stays in the JSON
-    and in the sweep table."""
+    and in the sweep table. The same run (its cache filled by a real prefill, bench_decode's default)
+    splits the step into components and counts the donated cache in the aliased bytes (--components,
+    --memory; one bench_decode run for both checks)."""
     import bench_decode
     real = bench_decode.run_one
 
@@ -168,10 +160,15 @@ def test_a_failing_variant_is_recorded_and_the_others_kept(tmp_path, monkeypatch
     monkeypatch.setattr(bench_decode, "run_one", run_one)
     out = tmp_path / "decode_v3-tiny_c2.json"
     bench_decode.main(["--preset", "v3-tiny", "--concurrency", "2", "--input-len", "12", "--output-len", "10",
-                       "--steps", "2", "--kernels", "auto,xla", "--fill", "random", "--json", str(out)])
+                       "--steps", "2", "--kernels", "auto,xla", "--components", "--memory", "--json", str(out)])
     res = json.load(open(out))
     assert res["runs_by_kernels"]["auto"]["none"]["tok_per_s"] > 0 and "xla" not in res["runs_by_kernels"]
     assert res["failed"]["xla"]["none"].startswith("RESOURCE_EXHAUSTED")
+    comp = res["components_s"]  # of the first kernel mode, auto (the one measured)
+    assert set(comp) == {"attention", "moe", "rest"} and comp["attention"] > 0 and comp["moe"] > 0
+    mem = res["runs"]["none"]["memory"]
+    assert mem["cache_bytes"] > 0 and mem["alias_bytes"] >= mem["cache_bytes"]  # the cache is donated
+    assert mem["temp_bytes"] > 0
     (row,) = sweep.main(["--collect", str(out), "--out-dir", str(tmp_path / "t")])
     assert row["xla_tok_per_s"] is None and row["failed"].startswith("xla: RESOURCE_EXHAUSTED")
 

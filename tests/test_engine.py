@@ -207,15 +207,15 @@ def test_preemption_loses_nothing(tiny_path):
     rng = np.random.default_rng()
     prompts = _prompts(6, rng, 10, 30)
     big = _load(tiny_path, async_scheduling=False)
-    want = [r.token_ids for r in moejax.generate(big, prompts, max_new_tokens=40, ignore_eos=True)]
-    small = _load(tiny_path, block_size=8, num_kv_blocks=16, max_model_len=128)  # 128 slots for ~6 x 60 tokens
-    got = [r.token_ids for r in moejax.generate(small, prompts, max_new_tokens=40, ignore_eos=True)]
+    want = [r.token_ids for r in moejax.generate(big, prompts, max_new_tokens=24, ignore_eos=True)]
+    small = _load(tiny_path, block_size=8, num_kv_blocks=16, max_model_len=128)  # 128 slots for ~6 x 44 tokens
+    got = [r.token_ids for r in moejax.generate(small, prompts, max_new_tokens=24, ignore_eos=True)]
     assert small.engine.scheduler.num_preemptions > 0
     assert got == want
     assert small.engine.blocks.num_free == 16
 
     bounded = _load(tiny_path, block_size=8, num_kv_blocks=16, max_model_len=128, max_preemptions=0)
-    res = moejax.generate(bounded, prompts, max_new_tokens=40, ignore_eos=True)
+    res = moejax.generate(bounded, prompts, max_new_tokens=24, ignore_eos=True)
     failed = [i for i, r in enumerate(res) if r.finish_reason == "error"]
     assert len(failed) == bounded.engine.scheduler.num_preemptions > 0
     for i, r in enumerate(res):
