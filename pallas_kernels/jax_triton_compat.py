@@ -111,7 +111,8 @@ def available() -> tuple[bool, str]:
 class Kernel:
     """A Triton kernel written as a plain function in a module with ``from __future__ import annotations``
     (its ``tl.constexpr`` annotations stay strings until Triton reads them: Triton may be absent), put
-    through ``triton.jit`` on first launch, when ``tl`` is put in the module's globals."""
+    through ``triton.jit`` on first launch, when ``tl`` is put in the module's globals, and the module's
+    ``helper`` functions are bound there under their names as Triton functions (kernels call them)."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -120,13 +121,26 @@ class Kernel:
     def get(self, interpret: bool):
         if interpret not in self._jitted:
             triton, _ = _import(interpret)
-            self.fn.__globals__["tl"] = triton.language
+            g = self.fn.__globals__
+            g["tl"] = triton.language
+            for h in _HELPERS:
+                if h is not self and h.fn.__globals__ is g:
+                    g[h.fn.__name__] = h.get(interpret)
             self._jitted[interpret] = triton.jit(self.fn)
         return self._jitted[interpret]
 
 
+_HELPERS: list[Kernel] = []
+
+
 def jit(fn) -> Kernel:
     return Kernel(fn)
+
+
+def helper(fn) -> Kernel:
+    """A ``@triton.jit`` function kernels call (written as ``jit``'s kernels are)."""
+    _HELPERS.append(Kernel(fn))
+    return _HELPERS[-1]
 
 
 def triton_call(*args, kernel, out_shape, grid, interpret: bool | None = None, zeroed_outputs=(), **kwargs):

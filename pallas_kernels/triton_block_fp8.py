@@ -36,11 +36,24 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.fp8_utils import FP8, SCALE_BLOCK, inv_fp8_max
 from pallas_kernels.fused_moe import moe_align_block_size
-from pallas_kernels.jax_triton_compat import jit, triton_call
+from pallas_kernels.jax_triton_compat import helper, jit, triton_call
 
 tl = None  # triton.language, set by jax_triton_compat.Kernel on first launch (Triton may be absent)
 
 SB = SCALE_BLOCK
+
+
+@helper
+def _to_fp8_grid(q, MIN_NORMAL: tl.constexpr, MAGIC: tl.constexpr):
+    # q (f32) rounded to the FP8 grid, to nearest even, before the cast, so the cast is exact: Triton's
+    # interpreter (3.6) drops a binade when rounding carries into the exponent (124.1 -> 64), and the CPU
+    # tests run there; the GPU's cvt gives the same result either way. Normal values keep 3 mantissa
+    # bits; subnormals (below MIN_NORMAL) are multiples of its 2**-3, rounded by adding and removing
+    # MAGIC (1.5 x 2**23 steps) to the magnitude.
+    bits = q.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    sub = (tl.abs(q) + MAGIC) - MAGIC
+    return tl.where(tl.abs(q) < MIN_NORMAL, tl.where(q < 0, -sub, sub), bits.to(tl.float32, bitcast=True))
 
 
 @jit
@@ -57,12 +70,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M: tl.constexpr, K: tl.constexpr, BM:
     offs = rows[:, None].to(tl.int64) * K + cols[None, :]
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     sc = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * INV_MAX
-    q = tl.math.div_rn(x, sc[:, None])
-    # rounded to the FP8 grid in f32 first (see _gate_up_kernel)
-    bits = q.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-    sub = (tl.abs(q) + MAGIC) - MAGIC
-    q = tl.where(tl.abs(q) < MIN_NORMAL, tl.where(q < 0, -sub, sub), bits.to(tl.float32, bitcast=True))
+    q = _to_fp8_grid(tl.math.div_rn(x, sc[:, None]), MIN_NORMAL, MAGIC)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + rows * KB + kb, sc, mask=rows < M)
 
@@ -190,17 +198,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, src_ptr, eid_ptr, wg_ptr, sg_ptr, wu_ptr, su_
     if SCALED:
         # Requantise per token per 128 channels (this tile is one group): act_quant's formula.
         hs = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10) * INV_MAX
-        hq = tl.math.div_rn(h, hs[:, None])
-        # Round to the FP8 grid (to nearest even) in f32 first, so the cast is exact: Triton's
-        # interpreter (3.6) drops a binade when rounding carries into the exponent (124.1 -> 64), and
-        # the CPU tests run there; the GPU's cvt gives the same result either way. Normal values keep 3
-        # mantissa bits; subnormals (below MIN_NORMAL) are multiples of its 2**-3, rounded by adding
-        # and removing MAGIC (1.5 x 2**23 steps) to the magnitude.
-        bits = hq.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-        sub = (tl.abs(hq) + MAGIC) - MAGIC
-        hq = tl.where(tl.abs(hq) < MIN_NORMAL, tl.where(hq < 0, -sub, sub), bits.to(tl.float32, bitcast=True))
-        hq = hq.to(h_ptr.dtype.element_ty)
+        hq = _to_fp8_grid(tl.math.div_rn(h, hs[:, None]), MIN_NORMAL, MAGIC).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + out_rows[:, None] * I_PAD + offs_n[None, :], hq)
         tl.store(hs_ptr + out_rows * (I_PAD // 128) + pid_n, hs)
     else:
