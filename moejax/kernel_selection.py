@@ -179,7 +179,9 @@ def moe_kernel() -> str:
     (``fused_moe``, which also takes the shared experts as extra groups) or "triton" (the Triton-language
     ``fused_moe_triton`` through jax-triton; the shared experts then run beside it).
     ``MOEJAX_MOE_KERNEL=pallas|triton`` forces one ("triton" without jax-triton raises at the first call,
-    naming the install)."""
+    naming the install). "auto" is Pallas: the Triton kernel measured level with it (H100, V3 EP8-rank share,
+    best tiles 1,164 / 1,373 / 4,125 us vs 1,104 / 1,411 / 3,884 us at 16 / 128 / 512 rows an expert; the
+    step within noise; benchmarks/2026-12-06c/h100/rG)."""
     want = os.environ.get(MOE_KERNEL_ENV, "auto")
     if want not in MOE_KERNELS:
         raise ValueError(f"{MOE_KERNEL_ENV} must be one of {MOE_KERNELS}, got {want!r}")
@@ -375,9 +377,9 @@ W8A8_KERNEL_ENV = "MOEJAX_W8A8_KERNEL"
 def w8a8_kernel() -> str:
     """Which kernels run the W8A8 (fp8 x fp8) expert GEMMs on a GPU: "triton" (triton_block_fp8's fused MoE,
     the Triton language through jax-triton: vLLM's block-FP8 design) where jax-triton is installed, else
-    "pallas" (fused_moe_fp8). Dense W8A8 projections stay on Pallas' block_scaled_matmul either way: the
-    Triton dense GEMM measured level with it or slower (no split K for few column tiles; H100, kv_a at
-    M=128: 113 vs 82 us, o_proj at M=2048: 818 vs 794 us, benchmarks/2026-12-06/h100/call2/kern.txt).
+    "pallas" (fused_moe_fp8). Dense W8A8 projections have their own rule (``dense_w8a8_kernel``): the
+    Triton dense GEMM measured level with the Pallas one or slower (no split K for few column tiles; H100,
+    kv_a at M=128: 113 vs 82 us, o_proj at M=2048: 818 vs 794 us, benchmarks/2026-12-06/h100/call2/kern.txt).
     ``MOEJAX_W8A8_KERNEL=pallas|triton`` forces one (measuring; "triton" without jax-triton raises at the
     first call, naming the install)."""
     want = os.environ.get(W8A8_KERNEL_ENV, "auto")
@@ -465,8 +467,6 @@ def fp8_linear(x2, w, scale, variant: str = "w8a16", out_dtype=None, mode: str |
 
 
 W8A8_DENSE_KERNEL_ENV = "MOEJAX_W8A8_DENSE_KERNEL"
-
-
 W8A8_DENSE_KERNELS = ("auto", "pallas", "triton", "cublaslt")
 
 
