@@ -211,6 +211,20 @@ for arch, target, f8, jdt in (("gfx942", GPUTarget("hip", "gfx942", 64), "fp8e4b
         asm = k.asm["amdgcn"] if arch == "gfx942" else k.asm["ptx"]
         pat = r"v_mfma_f32_\w+_fp8_fp8" if arch == "gfx942" else r"wgmma\.mma_async[\w.]*\.e4m3\.e4m3"
         out[f"{arch} {name}"] = sorted(set(re.findall(pat, asm)))
+# sm_90 only: the activation quantiser (f32 -> e4m3 conversions) and the unscaled bf16 expert kernel (bf16 wgmma)
+t = GPUTarget("cuda", 90, 32)
+aq = dict(M=4096, K=7168, BM=32, **T._fp8_grid(jnp.float8_e4m3fn))
+src = ASTSource(T._act_quant_kernel.get(False), dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32",
+                                                      **{c: "constexpr" for c in aq}), aq)
+ptx = triton.compile(src, target=t, options=dict(num_warps=4, num_stages=1)).asm["ptx"]
+out["sm_90 act_quant"] = sorted(set(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)))
+bf = dict(N_ROWS=4096, H=7168, I=2048, I_PAD=2048, BM=64, BN=128, BK=64, SWN=1, SWK=2048, SCALED=False,
+          **T._fp8_grid(jnp.float8_e4m3fn))
+sig = dict(x_ptr="*bf16", xs_ptr="*fp32", src_ptr="*i32", eid_ptr="*i32", wg_ptr="*bf16", sg_ptr="*fp32",
+           wu_ptr="*bf16", su_ptr="*fp32", h_ptr="*bf16", hs_ptr="*fp32")
+src = ASTSource(T._gate_up_kernel.get(False), dict(sig, **{c: "constexpr" for c in bf}), bf)
+ptx = triton.compile(src, target=t, options=dict(num_warps=8, num_stages=3)).asm["ptx"]
+out["sm_90 gate_up bf16"] = sorted(set(re.findall(r"wgmma\.mma_async[\w.]*\.bf16\.bf16", ptx)))
 print(json.dumps(out))
 """
 
@@ -218,13 +232,15 @@ print(json.dumps(out))
 def test_kernels_compile_to_fp8_tensor_core_instructions(tmp_path):
     """Triton compiles the kernels on this machine for MI300X (gfx942, e4m3fnuz) and H100/H200 (sm_90,
     e4m3fn) without a GPU: their FP8 dots must become FP8 MFMA / wgmma instructions (AMDGCN / PTX;
-    nothing is run: no AMD GPU here). A fresh process: Triton compiles only outside its interpreter."""
+    nothing is run: no AMD GPU here); for sm_90 also the activation quantiser (its FP8 grid rounding a
+    helper function) to e4m3 conversions and the unscaled bf16 expert kernel to bf16 wgmma. A fresh
+    process: Triton compiles only outside its interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)),
                TRITON_CACHE_DIR=str(tmp_path))  # Triton's default (~/.triton) may not be writable
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     found = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(found) == 6 and all(found.values()), found
+    assert len(found) == 8 and all(found.values()), found
 
 
 def test_rocm_selection(monkeypatch):
