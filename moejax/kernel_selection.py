@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul
 from pallas_kernels.fused_moe import fused_moe
 from pallas_kernels.fused_moe_fp8 import fused_moe_fp8
-from pallas_kernels import cublaslt_fp8_gemm, jax_triton_compat
+from pallas_kernels import compat, cublaslt_fp8_gemm, jax_triton_compat
 from pallas_kernels.triton_block_fp8 import act_quant_triton, block_fp8_matmul, fused_moe_block_fp8, fused_moe_triton
 from pallas_kernels.triton_mla_decode import triton_mla_decode
 from pallas_kernels.paged_decode_attention import paged_decode_attention
@@ -83,17 +83,8 @@ class KernelScopedModule:
 
 @functools.lru_cache(maxsize=None)
 def platform() -> str:
-    """'cuda', 'rocm' or 'cpu' (anything else counts as 'cpu': no Triton)."""
-    backend = jax.default_backend()
-    if backend in ("cuda", "rocm"):
-        return backend
-    if backend == "gpu":
-        try:
-            version = jax.devices()[0].client.platform_version.lower()
-        except Exception:  # pragma: no cover
-            version = ""
-        return "rocm" if "rocm" in version or "hip" in version else "cuda"
-    return "cpu"
+    """'cuda', 'rocm' or 'cpu' (anything else counts as 'cpu': no Triton); pallas_kernels.compat's rule."""
+    return compat.platform()
 
 
 @functools.lru_cache(maxsize=None)

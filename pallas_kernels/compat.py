@@ -31,6 +31,20 @@ def interpret_mode() -> bool:
     return jax.default_backend() not in ("gpu", "cuda", "rocm")
 
 
+def platform() -> str:
+    """'cuda', 'rocm' or 'cpu' (anything else counts as 'cpu': no Triton)."""
+    backend = jax.default_backend()
+    if backend in ("cuda", "rocm"):
+        return backend
+    if backend == "gpu":
+        try:
+            version = jax.devices()[0].client.platform_version.lower()
+        except Exception:  # pragma: no cover
+            version = ""
+        return "rocm" if "rocm" in version or "hip" in version else "cuda"
+    return "cpu"
+
+
 def masked_load(ref, mask, other=0):
     """``plt.load(ref, mask=..., other=...)``: Triton-style masked load of a ref view."""
     return plt.load(ref, mask=mask, other=other)

@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.compat import platform
 from pallas_kernels.fp8_utils import SCALE_BLOCK, act_quant
 
 TARGET = "moejax_fp8_block_gemm"
@@ -42,12 +43,8 @@ def library_candidates() -> list[Path]:
 @functools.cache
 def available() -> tuple[bool, str]:
     """(the target is registered for CUDA here, why not). Loads the library on first call."""
-    backend = jax.default_backend()
-    if backend == "gpu":
-        version = getattr(jax.devices()[0].client, "platform_version", "").lower()
-        backend = "rocm" if "rocm" in version or "hip" in version else "cuda"
-    if backend != "cuda":
-        return False, f"cuBLASLt's FP8 GEMM runs on CUDA GPUs only (backend {backend})"
+    if (plat := platform()) != "cuda":
+        return False, f"cuBLASLt's FP8 GEMM runs on CUDA GPUs only (platform {plat})"
     path = next((p for p in library_candidates() if p.exists()), None)
     if path is None:
         return False, (f"{LIBRARY} not found in {[str(p.parent) for p in library_candidates()]}; build it with "

@@ -334,7 +334,6 @@ def _moe(x, xs, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_down, *, scal
     """The two launches of either form: rows grouped into ``block_m`` tiles of one expert, gate/up (with
     SiLU and, scaled, h's requantisation), then down into each row's place."""
     N, H = x.shape
-    E = w_gate.shape[0]
     # Weight strides of one expert (output dim, input dim): FP8 in HF's [out, in], bf16 in [in, out].
     if scaled:
         I = w_gate.shape[1]

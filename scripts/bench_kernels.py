@@ -129,6 +129,10 @@ def run_moe(tokens, bw, rate, sweep, smoke, interpret, grid=None, shape="v3-ep8"
                              * jnp.einsum("eth,ehi->eti", x, wu, preferred_element_type=jnp.float32)).astype(BF16),
             wd, preferred_element_type=jnp.float32))
         t_d = bench(dense, x.reshape(E, t, H), wg, wu, wd)
+
+        def row(t_p, what):  # one kernel configuration's line
+            print(f"{t:>7} {N:>6} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_d * 1e6:9.1f} {t_p * 1e6:9.1f} "
+                  f"{wbytes / t_x / 1e12:8.2f} {wbytes / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {what}")
         with kernel_mode("pallas"):
             p = select_moe(N, E, H, I, BF16).params
         configs = [p] + ([dict(p, **g) for g in expand(grid or moe_grid(t))] if sweep else [])
@@ -139,10 +143,7 @@ def run_moe(tokens, bw, rate, sweep, smoke, interpret, grid=None, shape="v3-ep8"
             except Exception as e:  # a config Triton rejects (shared memory, registers)
                 print(f"{t:>7} {N:>6}  config {c} failed: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            tag = "selected" if i == 0 else ""
-            print(f"{t:>7} {N:>6} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_d * 1e6:9.1f} {t_p * 1e6:9.1f} "
-                  f"{wbytes / t_x / 1e12:8.2f} {wbytes / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  "
-                  f"{tag} {c}")
+            row(t_p, f"{'selected' if i == 0 else ''} {c}")
         if not (smoke or interpret) and triton_available()[0]:  # the Triton-language kernel ("pal" columns)
             base = triton_moe_bf16_params(N, E)
             tri = [base] + ([dict(base, **g) for g in expand(triton_moe_grid(t))] if sweep else [])
@@ -152,9 +153,7 @@ def run_moe(tokens, bw, rate, sweep, smoke, interpret, grid=None, shape="v3-ep8"
                 except Exception as e:
                     print(f"{t:>7} {N:>6}  triton config {c} failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
-                print(f"{t:>7} {N:>6} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_d * 1e6:9.1f} {t_p * 1e6:9.1f} "
-                      f"{wbytes / t_x / 1e12:8.2f} {wbytes / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  "
-                      f"triton{' selected' if i == 0 else ''} {c}")
+                row(t_p, f"triton{' selected' if i == 0 else ''} {c}")
 
 
 def run_mla(batches, ctx, bw, rate, sweep, smoke, interpret, heads=(128,), grid=None, kvs=("bf16", "fp8"),
