@@ -125,7 +125,8 @@ def test_random_fill_leaves_the_engine_as_a_prefill_would(tmp_path):
         m = random_model(preset("v3-tiny"), "float32", max_model_len=64, max_num_seqs=4, num_kv_blocks=16)
         eng = m.engine
         rng = np.random.default_rng(seed)
-        seqs = [eng.add_request(rng.integers(2, 100, size=n).tolist(), SamplingParams(max_new_tokens=5))
+        # ignore_eos as the benchmark sets it: a random model may sample EOS first and finish a sequence
+        seqs = [eng.add_request(rng.integers(2, 100, size=n).tolist(), SamplingParams(max_new_tokens=5, ignore_eos=True))
                 for n in (7, 16, 3)]
         if fill == "random":
             bench_decode.fill_without_prefill(eng)

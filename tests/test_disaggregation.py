@@ -136,7 +136,7 @@ def test_handoff_rejects_rows_of_another_cache(engines):
     kv_cache_dtype, before anything is allocated; metadata without a field names that field."""
     a8, _ = engines["fp8"]
     _, b = engines["auto"]
-    seq = a8.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=4))
+    seq = a8.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=4, ignore_eos=True))
     while seq.num_output_tokens == 0:
         a8.step()
     req = take_prefilled(a8, seq)
