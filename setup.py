@@ -4,7 +4,10 @@ everything else is declared in pyproject.toml.
 The shared libraries land in moejax/parallel/ (next to the code that loads them), in the wheel or,
 for an editable install, in the source tree. Where the build cannot run (no cmake, no C++
 compiler, no jaxlib headers) the install still succeeds with a warning, and only
-``moe_backend: ffi`` is unavailable, with an error naming what is missing."""
+``moe_backend: ffi`` is unavailable, with an error naming what is missing.
+
+Where a CUDA toolkit with cuBLAS 12.9+ is found, cuBLASLt's block-scaled FP8 GEMM (ffi/cuda/build.sh) is
+built too; elsewhere a line says so and kernel selection keeps the Triton / Pallas FP8 kernels."""
 
 import os
 import shutil
@@ -17,8 +20,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
-# host: always; mori: only where CMake finds hipcc and MoRI (ffi/mori/mori.cmake)
-LIBRARIES = ("moejax_ep_host", "moejax_ep_mori")
+# host: always; mori: only where CMake finds hipcc and MoRI (ffi/mori/mori.cmake); fp8_gemm: only where
+# ffi/cuda/build.sh finds CUDA and cuBLAS 12.9+
+LIBRARIES = ("moejax_ep_host", "moejax_ep_mori", "moejax_fp8_gemm")
 
 
 def _ffi_include_dir() -> str:
@@ -40,6 +44,7 @@ class CMakeBuild(build_ext):
 
     def run(self):
         built = self._build_with_cmake()
+        built.update(self._build_cublaslt())
         self.extensions = [e for e in self.extensions if e.name.rsplit(".", 1)[1] in built]
         self._built = built
         super().run()
@@ -71,6 +76,27 @@ class CMakeBuild(build_ext):
             except subprocess.CalledProcessError as e:
                 warnings.warn(f"moejax: the MoRI implementation of the FFI extension failed to build ({e})")
         return {name: out / "lib" / f"lib{name}.so" for name in LIBRARIES if (out / "lib" / f"lib{name}.so").exists()}
+
+    def _build_cublaslt(self) -> dict:
+        """cuBLASLt's FP8 GEMM (a g++ build of one file, no CMake): built where CUDA is found, skipped with a
+        line elsewhere (build.sh exits 3), a warning where it is found but the build fails."""
+        out = Path(self.build_temp).resolve() / "moejax_cuda"
+        env = dict(os.environ, PYTHON=sys.executable)
+        try:
+            env["XLA_FFI_INCLUDE_DIR"] = _ffi_include_dir()
+        except ImportError:
+            pass  # build.sh then asks jax
+        try:
+            subprocess.run(["bash", str(HERE / "ffi" / "cuda" / "build.sh"), str(out)], check=True, env=env)
+        except (subprocess.CalledProcessError, OSError) as e:
+            if getattr(e, "returncode", None) == 3:
+                print("moejax: cuBLASLt's FP8 GEMM not built (no CUDA toolkit with cuBLAS 12.9+ found, see above); "
+                      "FP8 GEMMs use the Triton / Pallas kernels", file=sys.stderr)
+            else:
+                warnings.warn(f"moejax: cuBLASLt's FP8 GEMM (ffi/cuda/build.sh) failed to build ({e}); FP8 GEMMs "
+                              f"use the Triton / Pallas kernels")
+            return {}
+        return {"moejax_fp8_gemm": out / "libmoejax_fp8_gemm.so"}
 
     def _skip(self, why: str):  # why: a sentence
         msg = (f"moejax: the XLA FFI extension (moe_backend: ffi) is not built. {why} Everything else works; "

@@ -48,7 +48,7 @@ def available() -> tuple[bool, str]:
     path = next((p for p in library_candidates() if p.exists()), None)
     if path is None:
         return False, (f"{LIBRARY} not found in {[str(p.parent) for p in library_candidates()]}; build it with "
-                       "ffi/cuda/build.sh (docs/ffi.md)")
+                       "bash ffi/cuda/build.sh (pip install runs it where it finds CUDA with cuBLAS 12.9+; docs/fp8.md)")
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
     except OSError as e:

@@ -1,6 +1,6 @@
-"""cuBLASLt's block-scaled FP8 GEMM (ffi/cuda, pallas_kernels/cublaslt_fp8_gemm.py): its argument checks and
-the selection rule on any machine; on a CUDA GPU with the library built (``bash ffi/cuda/build.sh``), its
-products against a float64 NumPy reference with the same activation quantisation. Seeds as in
+"""cuBLASLt's block-scaled FP8 GEMM (ffi/cuda, pallas_kernels/cublaslt_fp8_gemm.py): its argument checks, the
+selection rule and the build script's refusal on any machine; on a CUDA GPU with the library built (pip install
+or ``bash ffi/cuda/build.sh``), its products against a float64 NumPy reference with the same activation quantisation. Seeds as in
 test_fp8_kernels.py (MOEJAX_TEST_SEED replays a failure)."""
 
 from __future__ import annotations
@@ -70,3 +70,20 @@ def test_matches_float64_reference(M, K, N):
     y = lt.cublaslt_fp8_matmul(x, jnp.asarray(q), jnp.asarray(s))
     assert y.shape == (M, N) and y.dtype == BF16
     assert rel_err(y, ref) < 5e-3, f"rel err {rel_err(y, ref):.2e}, {where(seed)}"
+
+
+def test_build_script_says_when_cublas_is_too_old(tmp_path):
+    """ffi/cuda/build.sh (which pip install runs): a cuBLAS without 128x128 block scaling (before 12.9) found
+    first (CUDA_HOME) is reported by path with exit 3, the code setup.py turns into a "not built" line
+    rather than a failed install, and nothing is written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    (tmp_path / "cuda" / "include").mkdir(parents=True)
+    (tmp_path / "cuda" / "include" / "cublasLt.h").write_text("/* cuBLAS 12.4: CUBLASLT_MATMUL_DESC_A_SCALE_POINTER */\n")
+    script = Path(__file__).resolve().parent.parent / "ffi" / "cuda" / "build.sh"
+    r = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                       env=dict(os.environ, CUDA_HOME=str(tmp_path / "cuda"), PYTHON=sys.executable))
+    assert r.returncode == 3 and "predates cuBLAS 12.9" in r.stderr and str(tmp_path / "cuda") in r.stderr, r
+    assert not (tmp_path / "out").exists()
