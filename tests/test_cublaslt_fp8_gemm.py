@@ -1,7 +1,7 @@
 """cuBLASLt's block-scaled FP8 GEMM (ffi/cuda, pallas_kernels/cublaslt_fp8_gemm.py): its argument checks, the
 selection rule and the build script's refusal on any machine; on a CUDA GPU with the library built (pip install
-or ``bash ffi/cuda/build.sh``), its products against a float64 NumPy reference with the same activation quantisation. Seeds as in
-test_fp8_kernels.py (MOEJAX_TEST_SEED replays a failure)."""
+or ``bash ffi/cuda/build.sh``), its products against a float64 NumPy reference with the same activation
+quantisation. Seeds as in test_fp8_kernels.py (MOEJAX_TEST_SEED replays a failure)."""
 
 from __future__ import annotations
 
