@@ -30,6 +30,10 @@ V = CFG["vocab_size"]
 # Small blocks and prefill budget: drafts cross block boundaries, prompts over 16 tokens are chunked. Few
 # buckets (batches 1-4, four block-table widths): the file's time is mostly compilation.
 KW = dict(dtype="float32", max_model_len=64, max_num_seqs=4, block_size=8, max_prefill_tokens=16, progress=False)
+# The FP8-cache comparisons run without prefix caching: a hit makes the rest of the prompt attend to FP8 rows
+# instead of its own unquantised ones (1e-3 in logprobs), and the speculative engine's extra blocks evict
+# differently from the reference's, so hits (and numerics) would depend on what ran before (a CI failure).
+FP8_KV = dict(kv_cache_dtype="fp8", enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +114,7 @@ def test_accept_path_with_injected_drafts(ckpt):
     speculation. Tokens, logprobs, finish reasons and texts are the reference's."""
     rng = np.random.default_rng()
     k = 2
-    base, spec = _load(ckpt, kv_cache_dtype="fp8"), _load(ckpt, k, kv_cache_dtype="fp8")  # the fp8 case's engines
+    base, spec = _load(ckpt, **FP8_KV), _load(ckpt, k, **FP8_KV)
     prompts = _prompts(rng, 4, 3, 16)  # unchunked: every prompt is prefilled before the first decode step
     lens = [5, 6, 7, 11]  # n - 1 = 4, 5, 6, 11 decode tokens: every offset of a length limit in a run
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=True) for n in lens]
@@ -128,9 +132,6 @@ def test_accept_path_with_injected_drafts(ckpt):
         _assert_same(got, want)
         assert steps == max(-(-(n - 1) // (k + 1)) for n in lens), steps
         assert spec.engine.stats.spec_num_accepted_tokens - acc0 >= sum(lens) - len(lens) - k * len(lens)
-        # Reruns hit the prefix cache, which changes FP8-cached numerics: the reference reruns too.
-        want, base_steps = _run(base, prompts, params)
-        full.update({tuple(p): p + w[0] + [0] * 8 for p, w in zip(prompts, want)})
         text = next(w[3] for w in want if len(w[3]) >= 5)  # a stop string the reference meets mid-output
         stop = [SamplingParams(max_new_tokens=11, ignore_eos=True, stop=[text[3:5]])] * len(prompts)
         want_stop, _ = _run(base, prompts, stop)
@@ -246,7 +247,7 @@ def test_streamed_through_server_engine_thread_with_metrics(ckpt):
     thread) streams every token as its own event, the reference's tokens, logprobs and text; /metrics carries
     vLLM's spec_decode counters (accepted = what the engine counted, per position too)."""
     rng = np.random.default_rng()
-    base, spec = _load(ckpt, kv_cache_dtype="fp8"), _load(ckpt, 2, kv_cache_dtype="fp8")
+    base, spec = _load(ckpt, **FP8_KV), _load(ckpt, 2, **FP8_KV)
     prompts = _prompts(rng, 3, 3, 16)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=True) for n in (4, 9, 10)]
     want, _ = _run(base, prompts, params)
