@@ -5,6 +5,11 @@ quantisation. Seeds as in test_fp8_kernels.py (MOEJAX_TEST_SEED replays a failur
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,10 +81,6 @@ def test_build_script_says_when_cublas_is_too_old(tmp_path):
     """ffi/cuda/build.sh (which pip install runs): a cuBLAS without 128x128 block scaling (before 12.9) found
     first (CUDA_HOME) is reported by path with exit 3, the code setup.py turns into a "not built" line
     rather than a failed install, and nothing is written."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
     (tmp_path / "cuda" / "include").mkdir(parents=True)
     (tmp_path / "cuda" / "include" / "cublasLt.h").write_text("/* cuBLAS 12.4: CUBLASLT_MATMUL_DESC_A_SCALE_POINTER */\n")
     script = Path(__file__).resolve().parent.parent / "ffi" / "cuda" / "build.sh"
