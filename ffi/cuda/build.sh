@@ -9,7 +9,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${1:-$HERE/build}
 PY=${PYTHON:-python3}
 FOUND=$("$PY" - <<'PYEOF'
-import glob, os, re, site, sys
+import glob, os, site, sys
 roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"] + [os.path.join(p, "nvidia") for p in site.getsitepackages()]
 def find(pattern):
     for r in roots:
