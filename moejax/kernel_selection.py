@@ -493,13 +493,19 @@ def dense_w8a8_kernel(rows: int) -> str | None:
 
 # ------------------------------------------------------------------ MLA decode
 def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, block_size: int, cache_dtype,
-               mode: str | None = None) -> Choice:
-    """Absorbed MLA decode over the paged cache: Pallas ``paged_decode_attention`` or the XLA gather path."""
+               mode: str | None = None, rows: int = 1) -> Choice:
+    """Absorbed MLA decode over the paged cache: Pallas ``paged_decode_attention`` or the XLA gather path.
+    ``rows`` > 1 (query rows a sequence, the speculative verify's k + 1): the Triton kernel, which reads
+    the context once for all of them, where it runs; else "rows" is not in the choice's params and the
+    caller gives every row its own block table (each row then reads the context)."""
     use, forced = _want_pallas(mode)
     if not use:
         return Choice("xla", reason="mode or platform")
     if not forced and not (_triton_dim(latent) and _triton_dim(rope) and heads >= 1):
         return Choice("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
+    if rows > 1 and mla_kernel(heads, latent, rope, cache_dtype, rows) == "triton":
+        return Choice("triton", dict(_triton_mla_params(batch, heads * rows, max_len), rows=rows),
+                      "forced" if forced else "gpu")
     if mla_kernel(heads, latent, rope, cache_dtype) == "triton":
         return Choice("triton", _triton_mla_params(batch, heads, max_len), "forced" if forced else "gpu")
     if not forced and _slow_fp8(heads, cache_dtype):
@@ -512,7 +518,7 @@ MLA_KERNEL_ENV = "MOEJAX_MLA_KERNEL"
 MLA_KERNELS = ("auto", "pallas", "triton")
 
 
-def mla_kernel(heads: int, latent: int, rope: int, cache_dtype) -> str:
+def mla_kernel(heads: int, latent: int, rope: int, cache_dtype, rows: int = 1) -> str:
     """Which kernel runs MLA decode on a GPU: "triton" (triton_mla_decode, the Triton language through
     jax-triton: 64-head programs on wgmma with pipelined cache tiles, up to 216 KB of shared memory, so
     NVIDIA Hopper only) for 64+ heads over an FP8 cache on CUDA where jax-triton is installed, else
@@ -520,13 +526,16 @@ def mla_kernel(heads: int, latent: int, rope: int, cache_dtype) -> str:
     2048 (benchmarks/2026-12-06b/h100/rC/mla*.txt): FP8 cache Triton 2.12 ms, XLA 3.84, Pallas' page
     tile 6.94; bf16 cache Triton 1.54 ms, Pallas' gather tile 1.40 (and 0.83 vs 0.75 at 256 sequences):
     bf16 stays on Pallas. ROCm's 64 KB of LDS cannot hold the Triton kernel's tiles.
+    Several query rows a sequence (``rows`` > 1, the verify): Triton for any heads and cache on CUDA, the
+    one kernel that reads a sequence's context once for all its rows.
     ``MOEJAX_MLA_KERNEL=pallas|triton`` forces one (measuring)."""
     want = os.environ.get(MLA_KERNEL_ENV, "auto")
     if want not in MLA_KERNELS:
         raise ValueError(f"{MLA_KERNEL_ENV} must be one of {MLA_KERNELS}, got {want!r}")
     if want != "auto":
         return want
-    ok = platform() == "cuda" and heads >= 64 and _fp8(cache_dtype) and _triton_dim(latent) and _triton_dim(rope)
+    wide = rows > 1 or (heads >= 64 and _fp8(cache_dtype))
+    ok = platform() == "cuda" and wide and _triton_dim(latent) and _triton_dim(rope)
     return "triton" if ok and jax_triton_compat.available()[0] else "pallas"
 
 
@@ -535,10 +544,11 @@ def _triton_mla_params(batch: int, heads: int, max_len: int) -> dict:
     [64, 512] accumulator), 64 tokens a step, 2 stages (FP8 cache: 2.12 ms vs 2.79 with 32 tokens, H100,
     512 x 2048; bf16: two [64, 576] cache tiles and the queries, 216 KB of shared memory, no spills);
     context splits until the programs fill the GPU, each split >= 256 tokens."""
-    block_h = 64 if heads >= 64 else 16
+    block_h = 64 if heads >= 64 else max(16, 1 << (heads - 1).bit_length())  # heads: query rows x heads
     programs = batch * -(-heads // block_h)
     num_splits = max(1, min(max(1, max_len // 256), -(-num_compute_units() // max(programs, 1)), 16))
-    return dict(block_h=block_h, block_n=64, num_splits=num_splits, num_warps=8, num_stages=2)
+    return dict(block_h=block_h, block_n=64, num_splits=num_splits, num_warps=8 if block_h >= 64 else 4,
+                num_stages=2)
 
 
 def _fp8(cache_dtype) -> bool:
@@ -588,12 +598,20 @@ def _paged_decode_params(batch: int, heads: int, max_len: int, block_size: int, 
 
 def mla_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size: int, scale: float,
                   layer: int | None = None, mode: str | None = None, out_dtype=None):
-    """MLA decode through the selected kernel; None when the XLA path should run."""
-    B, H, C = q_latent.shape
-    c = select_mla(B, H, C, q_rope.shape[-1], block_tables.shape[1] * block_size, block_size, cache.dtype, mode)
+    """MLA decode through the selected kernel; None when the XLA path should run. q_latent [B, Q, H, C]
+    (Q query rows a sequence, seq_lens [B, Q]) runs only where a kernel takes the rows together: else
+    None, and the caller runs each row on its own."""
+    rows = q_latent.ndim == 4
+    B, H, C = q_latent.shape[0], q_latent.shape[-2], q_latent.shape[-1]
+    Q = q_latent.shape[1] if rows else 1
+    c = select_mla(B, H, C, q_rope.shape[-1], block_tables.shape[1] * block_size, block_size, cache.dtype, mode,
+                   rows=Q)
+    if rows and "rows" not in c.params:
+        return None
     if c.impl == "triton":
+        params = {k: v for k, v in c.params.items() if k != "rows"}
         return triton_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, block_size=block_size,
-                                 scale=float(scale), layer=layer, out_dtype=out_dtype, **c.params)
+                                 scale=float(scale), layer=layer, out_dtype=out_dtype, **params)
     if c.impl != "pallas":
         return None
     return paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, block_size=block_size,

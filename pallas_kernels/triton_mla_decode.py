@@ -36,22 +36,26 @@ LOG2E = 1.4426950408889634
 
 @jit
 def _mla_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, len_ptr, o_ptr, lse_ptr,
-                       H: tl.constexpr, HP: tl.constexpr, C: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                       H: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, ROWS: tl.constexpr, C: tl.constexpr,
+                       R: tl.constexpr, D: tl.constexpr,
                        NB: tl.constexpr, BS: tl.constexpr, LAYER_ROWS: tl.constexpr, SPLIT_LEN: tl.constexpr,
                        NUM_SPLITS: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, QK_SCALE: tl.constexpr,
                        FP8: tl.constexpr, SCALE_COL: tl.constexpr):
     hb = tl.program_id(0)
     s = tl.program_id(1)
     b = tl.program_id(2)
-    seq_len = tl.load(len_ptr + b)
-    start = s * SPLIT_LEN
-    end = tl.minimum(seq_len, start + SPLIT_LEN)
-
+    # Program rows are (query row, head) pairs m = row * H + head; each query row sees its own length.
     offs_h = hb * BH + tl.arange(0, BH)
-    h_ok = offs_h < H
+    h_ok = offs_h < M
+    start = s * SPLIT_LEN
+    if ROWS == 1:  # one length for the program: a scalar (a [BH] vector costs registers, spilled at 64 x 512)
+        end = tl.minimum(tl.load(len_ptr + b), start + SPLIT_LEN)
+    else:
+        lim = tl.load(len_ptr + b * ROWS + offs_h // H, mask=h_ok, other=0)  # [BH] tokens each row attends to
+        end = tl.minimum(tl.max(lim, 0), start + SPLIT_LEN)
     offs_c = tl.arange(0, C)
     offs_r = tl.arange(0, R)
-    q_row = (b * H + offs_h).to(tl.int64)
+    q_row = (b * M + offs_h).to(tl.int64)
     q = tl.load(ql_ptr + q_row[:, None] * C + offs_c[None, :], mask=h_ok[:, None], other=0.0)  # [BH, C]
     qr = tl.load(qr_ptr + q_row[:, None] * R + offs_r[None, :], mask=h_ok[:, None], other=0.0)  # [BH, R]
     cdt = q.dtype
@@ -84,7 +88,10 @@ def _mla_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, len_ptr, o_ptr, lse_pt
             sc = sc * (row_scale * QK_SCALE)[None, :]
         else:
             sc = sc * QK_SCALE
-        sc = tl.where(valid[None, :], sc, float("-inf"))
+        if ROWS == 1:
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+        else:
+            sc = tl.where(t[None, :] < lim[:, None], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(sc - m_new[:, None])
@@ -96,7 +103,7 @@ def _mla_decode_kernel(ql_ptr, qr_ptr, cache_ptr, bt_ptr, len_ptr, o_ptr, lse_pt
 
     has = l > 0
     out = acc / tl.where(has, l, 1.0)[:, None]
-    o_row = ((b * NUM_SPLITS + s) * HP + offs_h).to(tl.int64)
+    o_row = ((b * NUM_SPLITS + s) * MP + offs_h).to(tl.int64)
     tl.store(o_ptr + o_row[:, None] * C + offs_c[None, :], out.to(o_ptr.dtype.element_ty), mask=h_ok[:, None])
     # Natural-log lse (the splits' combination is shared with the Pallas kernel).
     lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) / 1.4426950408889634, float("-inf"))
@@ -110,15 +117,31 @@ def triton_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
     one), block_tables [B, nb], seq_lens [B] (>= 1) -> context [B, H, C] in ``out_dtype`` (float32 by
     default), as ``paged_decode_attention`` (bf16 cache rows [latent | rope], or kv_quant FP8 rows).
 
-    C and R must be powers of two >= 16 (Triton blocks); ``block_h`` heads a program (padded past H),
-    ``block_n`` tokens a step, the context cut into ``num_splits`` pieces."""
+    Several query rows a sequence (the speculative verify's k + 1): q_latent [B, Q, H, C], q_rope
+    [B, Q, H, R] and seq_lens [B, Q], row q attending to the first seq_lens[b, q] tokens of the
+    sequence's one block table (causal among the rows: P+1, ..., P+Q); the context is read once for all
+    of a sequence's rows (they are the programs' M rows beside the heads) -> [B, Q, H, C].
+
+    C and R must be powers of two >= 16 (Triton blocks); ``block_h`` (query row, head) pairs a program
+    (padded past Q x H), ``block_n`` tokens a step, the context cut into ``num_splits`` pieces."""
+    rows = q_latent.ndim == 4
+    if not rows:
+        q_latent, seq_lens = q_latent[:, None], seq_lens[:, None]
+        q_rope = None if q_rope is None else q_rope[:, None]
+    if q_latent.ndim != 4:
+        raise ValueError(f"q_latent: expected [B, H, C] or [B, Q, H, C], got {q_latent.shape}")
+    B, Q, H, C = q_latent.shape
+    if q_rope is None or q_rope.shape[:3] != (B, Q, H):
+        want = f"[B={B}, Q={Q}, H={H}, R]" if rows else f"[B={B}, H={H}, R]"
+        raise ValueError(f"q_rope: expected {want}, got {None if q_rope is None else q_rope.shape}")
+    if seq_lens.shape != (B, Q):
+        raise ValueError(f"seq_lens: expected [{B}{f', {Q}' if rows else ''}], got {seq_lens.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"block_tables: expected [B={B}, nb], got {block_tables.shape}")
     if cache.ndim == 2:
         cache, layer = cache[None], 0
     if layer is None:
         raise ValueError("layer: a [L, slots, D] cache needs the layer index")
-    B, H, C = q_latent.shape
-    if q_rope is None or q_rope.shape[:2] != (B, H):
-        raise ValueError(f"q_rope: expected [B={B}, H={H}, R], got {None if q_rope is None else q_rope.shape}")
     R = q_rope.shape[-1]
     for name, v in (("latent dim", C), ("rope dim", R), ("block_h", block_h), ("block_n", block_n)):
         if v < 16 or v & (v - 1):
@@ -134,16 +157,19 @@ def triton_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
     max_len = nb * block_size
     split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_n) * block_n
     num_splits = pl.cdiv(max_len, split_len)
-    Hp = pl.cdiv(H, block_h) * block_h
+    M = Q * H
+    Mp = pl.cdiv(M, block_h) * block_h
     cdt = q_latent.dtype
     o, lse = triton_call(
-        q_latent, q_rope.astype(cdt), cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
+        q_latent.reshape(B, M, C), q_rope.astype(cdt).reshape(B, M, R), cache, block_tables.astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
         kernel=_mla_decode_kernel,
-        out_shape=[jax.ShapeDtypeStruct((B, num_splits, Hp, C), out_dtype if num_splits == 1 else jnp.float32),
-                   jax.ShapeDtypeStruct((B, num_splits, Hp), jnp.float32)],
-        grid=(Hp // block_h, num_splits, B),
+        out_shape=[jax.ShapeDtypeStruct((B, num_splits, Mp, C), out_dtype if num_splits == 1 else jnp.float32),
+                   jax.ShapeDtypeStruct((B, num_splits, Mp), jnp.float32)],
+        grid=(Mp // block_h, num_splits, B),
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-        H=H, HP=Hp, C=C, R=R, D=D, NB=nb, BS=block_size, LAYER_ROWS=layer * slots, SPLIT_LEN=split_len,
-        NUM_SPLITS=num_splits, BH=block_h, BN=block_n, QK_SCALE=float(scale) * LOG2E, FP8=fp8, SCALE_COL=C + R)
-    return combine_splits(o, lse, out_dtype)[:, :H]
-
+        H=H, M=M, MP=Mp, ROWS=Q, C=C, R=R, D=D, NB=nb, BS=block_size, LAYER_ROWS=layer * slots,
+        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, BH=block_h, BN=block_n, QK_SCALE=float(scale) * LOG2E, FP8=fp8,
+        SCALE_COL=C + R)
+    out = combine_splits(o, lse, out_dtype)[:, :M].reshape(B, Q, H, C)
+    return out if rows else out[:, 0]

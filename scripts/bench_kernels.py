@@ -210,6 +210,50 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
                       f"{kvb / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {'selected' if i == 0 else ''} {kname} {c}")
 
 
+def run_mla_rows(H, batches, ctx, rows, bw, rate, smoke, interpret, kvs):
+    """The speculative verify's Q = k + 1 query rows a sequence: the Triton kernel over the rows together
+    (the context read once) against the selected single-row kernel over B x Q rows, each with the
+    sequence's table (each row reads the context), as the verify ran before."""
+    C, R, bs = (64, 16, 16) if smoke else (512, 64, 16)
+    scale = 0.1
+    print(f"\n== MLA decode, query rows a sequence: H={H} C={C} R={R} block={bs} context={ctx} ==")
+    print(f"{'cache':>5} {'B':>4} {'Q':>2} {'floor us':>9} {'rows us':>9} {'per-row us':>10} {'per-row/rows':>12} "
+          f"{'rows/floor':>10}  per-row kernel")
+    for kv in kvs:
+        for B in batches:
+            nb = -(-ctx // bs)
+            slots = B * nb * bs
+            k = jax.random.split(jax.random.key(B), 4)
+            vals = jax.random.normal(k[0], (slots, C + R), BF16)
+            cache = (vals if kv == "bf16" else quantize_rows(vals, cache_row_dim(C + R, "fp8")))[None]
+            del vals
+            bt = jax.random.permutation(k[1], slots // bs).reshape(B, nb).astype(jnp.int32)
+            for Q in rows:
+                lens = ctx - (Q - 1) + jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32), (B, Q))
+                ql = jax.random.normal(k[2], (B, Q, H, C), BF16)
+                qr = jax.random.normal(k[3], (B, Q, H, R), BF16)
+                row = cache.shape[-1] * cache.dtype.itemsize
+                nbytes = B * ctx * row + B * Q * H * (C + R) * 2 + B * Q * H * C * 2
+                fl_t = floor(nbytes, 2 * B * Q * H * ctx * (2 * C + R), bw, rate)
+                with kernel_mode("pallas"):
+                    grouped = select_mla(B, H, C, R, nb * bs, bs, cache.dtype, rows=Q)
+                    flat = select_mla(B * Q, H, C, R, nb * bs, bs, cache.dtype)
+                tp = {kk: v for kk, v in grouped.params.items() if kk != "rows"}
+                if grouped.impl != "triton":
+                    tp = _triton_mla_params(B, H * Q, nb * bs)
+                fg = jax.jit(functools.partial(triton_mla_decode, block_size=bs, scale=scale, layer=0,
+                                               out_dtype=BF16, interpret=interpret, **tp))
+                t_g = bench(fg, ql, qr, cache, bt, lens)
+                ffn = triton_mla_decode if flat.impl == "triton" else paged_decode_attention
+                ff = jax.jit(functools.partial(ffn, block_size=bs, scale=scale, layer=0, out_dtype=BF16,
+                                               interpret=interpret, **flat.params))
+                args = (ql.reshape(B * Q, H, C), qr.reshape(B * Q, H, R), cache, jnp.repeat(bt, Q, axis=0),
+                        lens.reshape(-1))
+                t_f = bench(ff, *args) if flat.impl != "xla" else float("nan")
+                print(f"{kv:>5} {B:>4} {Q:>2} {fl_t * 1e6:9.1f} {t_g * 1e6:9.1f} {t_f * 1e6:10.1f} {t_f / t_g:12.2f} "
+                      f"{t_g / fl_t:10.2f}  {flat.impl} {flat.params}  rows: {tp}")
+
+
 MFA_GRID = [{"tile": ["gather"], "block_h": [16, 32], "block_t": [32, 64], "num_warps": [4], "num_stages": [2, 3],
              "num_splits": [1, 2]},
             {"tile": ["pages"], "block_h": [16], "block_t": [32], "num_warps": [4], "num_stages": [2]}]
@@ -263,6 +307,8 @@ def main():
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=("bf16", "fp8"), help="MLA cache dtypes")
     ap.add_argument("--sweep-kv", nargs="+", default=["bf16"], choices=("bf16", "fp8"),
                     help="MLA cache dtypes --sweep times alternatives for")
+    ap.add_argument("--rows", type=int, nargs="+", default=None,
+                    help="MLA: also time Q query rows a sequence (the speculative verify's k + 1), e.g. 2 3 4")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: checks the script on CPU")
     a = ap.parse_args()
     plat = platform()
@@ -281,6 +327,10 @@ def main():
             run_moe(a.tokens, bw, rate, a.sweep, a.smoke, interpret, a.grid if a.only == "moe" else None, shape)
     if a.only in (None, "mla"):
         for ctx in a.context:
+            if a.rows:
+                for H in a.heads:
+                    run_mla_rows(16 if a.smoke else H, a.batch, ctx, a.rows, bw, rate, a.smoke, interpret, a.kv)
+                continue
             run_mla(a.batch, ctx, bw, rate, a.sweep, a.smoke, interpret, a.heads, a.grid if a.only == "mla" else None,
                     a.kv, tuple(a.sweep_kv))
     if a.only in (None, "mfa"):

@@ -42,6 +42,31 @@ def test_matches_reference(kv, B, H, C, R, block_size, nb, lens, block_h, block_
     assert gb.dtype == BF16 and rel_err(gb, exact) < 1e-2
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("Q,H,block_h,splits", [(2, 16, 32, 1), (3, 20, 64, 2), (4, 16, 64, 1)])
+def test_several_query_rows_a_sequence(kv, Q, H, block_h, splits):
+    """The speculative verify's Q = k + 1 rows a sequence in one launch (the context read once for all of
+    them), row q attending to its own length (causal among the rows, and a ragged one), against float64
+    attention of each row on its own; rows x heads padded past the program's block."""
+    B, C, R, block_size, nb = 3, 32, 16, 4, 10
+    values, ql, qr, bt = mla_inputs(fresh_key_seed(), B, Q * H, C, R, block_size, nb)
+    ql, qr = ql.reshape(B, Q, H, C), qr.reshape(B, Q, H, R)
+    last = jnp.asarray([Q, 23, 40], jnp.int32)  # a context of just the rows; a ragged tile; the whole table
+    lens = last[:, None] - (Q - 1) + jnp.arange(Q, dtype=jnp.int32)[None, :]
+    lens = lens.at[1, 0].set(5)  # any lengths, not only causal: row 0 of sequence 1 sees 5 tokens
+    scale = 1.2 / (C + R) ** 0.5
+    cache, stored = stored_cache(values, kv, C + R)
+    exact = mla_reference(ql.reshape(B * Q, H, C), qr.reshape(B * Q, H, R), stored, jnp.repeat(bt, Q, axis=0),
+                          lens.reshape(-1), block_size, scale).reshape(B, Q, H, C)
+    got = triton_mla_decode(ql, qr, cache, bt, lens, block_size=block_size, scale=scale, layer=1, block_h=block_h,
+                            block_n=16, num_splits=splits)
+    assert got.shape == (B, Q, H, C)
+    assert rel_err(got, exact) < 1e-2
+    for b in range(B):  # every (sequence, row) right, not only the whole on average
+        for q in range(Q):
+            assert rel_err(got[b, q], exact[b, q]) < 2e-2, (b, q)
+
+
 def test_bad_arguments_name_the_field():
     q, qr = jnp.ones((1, 16, 48), BF16), jnp.ones((1, 16, 16), BF16)
     cache = jnp.ones((2, 32, 64), BF16)
@@ -54,6 +79,9 @@ def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="q_rope"):
         triton_mla_decode(q, qr[:, :8], cache, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), layer=0,
                           **kw)
+    with pytest.raises(ValueError, match="seq_lens"):  # several rows a sequence: one length a row
+        triton_mla_decode(q[:, None], qr[:, None], cache, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
+                          layer=0, **kw)
 
 
 _COMPILE = r"""
@@ -69,7 +97,7 @@ out = {}
 for cache, ty, D in (("bf16", "*bf16", 576), ("fp8", "*fp8e4nv", 592)):
     sig = dict(ql_ptr="*bf16", qr_ptr="*bf16", cache_ptr=ty, bt_ptr="*i32", len_ptr="*i32", o_ptr="*bf16",
                lse_ptr="*fp32")
-    consts = dict(H=128, HP=128, C=512, R=64, D=D, NB=128, BS=16, LAYER_ROWS=60 * 2 ** 20, SPLIT_LEN=2048,
+    consts = dict(H=128, M=128, MP=128, ROWS=1, C=512, R=64, D=D, NB=128, BS=16, LAYER_ROWS=60 * 2 ** 20, SPLIT_LEN=2048,
                   NUM_SPLITS=1, BH=p["block_h"], BN=p["block_n"], QK_SCALE=0.1, FP8=cache == "fp8", SCALE_COL=576)
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}  # as jax-triton marks XLA's buffers
     src = ASTSource(T._mla_decode_kernel.get(False), dict(sig, **{c: "constexpr" for c in consts}), consts, aligned)
@@ -105,3 +133,27 @@ def test_compiles_to_wgmma_and_pipelined_copies(tmp_path):
         assert any("m64n256k16.f32.bf16.bf16" in w for w in g["wgmma"]) and g["async_copies"] > 0, g
         assert g["shared"] <= 227 * 1024, g
     assert got["bf16"]["spills"] == [0], got
+
+
+@pytest.mark.parametrize("kernel", ["triton", "pallas"])
+def test_verify_rows_through_the_model_entry(kernel, monkeypatch):
+    """mla_decode_attention with Q rows a sequence and one block table a sequence (what the speculative
+    verify passes): the Triton kernel takes the rows together, the Pallas kernel gets each row its own
+    table; both equal the XLA path given a table a row, within bf16 rounding."""
+    from moejax.kernel_selection import kernel_mode, select_mla
+    from moejax.layers.paged_attention import mla_decode_attention
+    B, Q, H, C, R, block_size, nb = 2, 3, 16, 32, 16, 4, 8
+    values, ql, qr, bt = mla_inputs(fresh_key_seed(), B, Q * H, C, R, block_size, nb)
+    ql, qr = ql.reshape(B * Q, H, C), qr.reshape(B * Q, H, R)
+    lens = (jnp.asarray([[9], [24]], jnp.int32) + jnp.arange(Q, dtype=jnp.int32)).reshape(-1)
+    cache, _ = stored_cache(values, "bf16", C + R)
+    kw = dict(block_size=block_size, scale=0.2, layer=1)
+    with kernel_mode("xla"):
+        ref = mla_decode_attention(ql, qr, cache, jnp.repeat(bt, Q, axis=0), lens, **kw)
+    monkeypatch.setenv("MOEJAX_MLA_KERNEL", kernel)
+    with kernel_mode("pallas"):
+        assert ("rows" in select_mla(B, H, C, R, nb * block_size, block_size, BF16, rows=Q).params) == (kernel == "triton")
+        got = mla_decode_attention(ql, qr, cache, bt, lens, **kw)
+    assert got.shape == (B * Q, H, C) and rel_err(got, ref) < 1e-2
+    with pytest.raises(ValueError, match="block_tables"):
+        mla_decode_attention(ql, qr, cache, bt[:1].repeat(4, 0), lens, **kw)

@@ -13,11 +13,12 @@ D=benchmarks/2026-12-06d
 G='[{"kernel":["pallas"]},{"kernel":["triton"]}]'
 run mla128 120 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv bf16 fp8 --sweep --sweep-kv bf16 fp8 --grid "$G"
 run mla16 60 python3 scripts/bench_kernels.py --only mla --batch 256 --context 2048 --heads 16 --kv bf16 fp8 --sweep --sweep-kv bf16 fp8 --grid "$G"
+run rows 100 python3 scripts/bench_kernels.py --only mla --batch 64 197 --context 2048 --heads 128 16 --kv bf16 fp8 --rows 1 2 3 4
+run pytest 60 env JAX_PLATFORMS=cuda python3 -m pytest -q -n0 -p no:cacheprovider -o addopts="" tests/test_triton_mla_decode.py
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 S="--section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section SchedulerStats"
 run ncu_triton 90 $NCU --clock-control none --kernel-name regex:mla --launch-skip 2 --launch-count 1 $S python3 $D/mla_ncu_driver.py triton bf16
-run ncu_triton_fp8 90 $NCU --clock-control none --kernel-name regex:mla --launch-skip 2 --launch-count 1 $S python3 $D/mla_ncu_driver.py triton fp8
 run mosaic 60 python3 $D/mosaic_probe.py
 B="python3 scripts/bench_spec_decode.py --preset deepseek-v3-ep8-rank --batch 16,64,197 --k 0,1,2 --input-len 1000 --steps 6 --warmup 2"
-run spec_l2 120 $B --layers 2 --json $R/spec_l2.json
-run spec_l4 120 $B --layers 4 --json $R/spec_l4.json
+run spec_l2 100 $B --layers 2 --json $R/spec_l2.json
+run spec_l4 100 $B --layers 4 --json $R/spec_l4.json

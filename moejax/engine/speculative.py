@@ -5,7 +5,8 @@ Each decode step of a sequence whose last token t_P sits at position P, with dra
 
 1. verify (one program, the decode program's body over B x (k+1) rows): the target runs the k+1 tokens
    [t_P, d_1, ..., d_k] at positions P..P+k as k+1 decode rows of one sequence, each row's seq_len its own
-   position + 1 and every row sharing the sequence's block table. A layer writes every row's latent
+   position + 1 and all k+1 rows given the sequence's one block table (so the MLA kernel reads the context
+   once for all of them: layers/paged_attention.query_rows). A layer writes every row's latent
    before any row attends (MLA.decode), so row j sees rows < j: causal among themselves, over the paged
    latent cache, with the absorbed decode attention (and its kernel), FP8 KV cache, DBO and the mesh as
    a decode step has them. It returns the logits and hidden states of every row.
@@ -247,8 +248,7 @@ class SpecDecoder:
                 valid[q, i], cap[q, i] = nv, c
         rows = lambda a: a.reshape(N, B * R)  # noqa: E731
         r.cache, logits, counts, dispatched, h = self._verify(r.params, r.routing, r.cache, rows(tokens),
-                                                              rows(positions), rows(slots),
-                                                              np.repeat(tables, R, axis=1), rows(lens))
+                                                              rows(positions), rows(slots), tables, rows(lens))
         r._record(counts, dispatched)
         samp = [np.repeat(a, R, axis=1) for a in r._sampling_arrays(ranks, B)]
         sampled = r._sample(logits, *samp, rows(sample_pos), SampleMode.of(s.params for s in seqs))
@@ -284,7 +284,7 @@ class SpecDecoder:
         r, R = self.runner, self.R
         P, Rt, C = r.params, r.routing, r.cache
         return [(f"spec_verify B={B} W={W}", B * R, functools.partial(
-            self._verify.lower, P, Rt, C, i32(B * R), i32(B * R), i32(B * R), i32(B * R, W), i32(B * R)))
+            self._verify.lower, P, Rt, C, i32(B * R), i32(B * R), i32(B * R), i32(B, W), i32(B * R)))
             for B, W in r.buckets.decode_shapes()]
 
     def draft_lowerings(self, i32, h_info, last_info, tok_shard) -> list:

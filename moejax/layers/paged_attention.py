@@ -35,13 +35,35 @@ def gather_sequence_slots(block_tables, block_size: int):
     return (block_tables[:, :, None] * block_size + offs).reshape(block_tables.shape[0], -1)
 
 
+def query_rows(x_rows: int, block_tables) -> int:
+    """Query rows a sequence: 1, or Q where the step's rows come Q a sequence with one block table each
+    (the speculative verify: block_tables [B, nb] for B * Q rows, a sequence's rows consecutive)."""
+    B = block_tables.shape[0]
+    if x_rows % B:
+        raise ValueError(f"block_tables: {B} tables for {x_rows} query rows (must divide them)")
+    return x_rows // B
+
+
 def mla_decode_attention(q_latent, q_rope, cache_layer, block_tables, seq_lens, block_size: int, scale: float,
                          layer: int | None = None, out_dtype=None):
-    """q_latent [B, H, C], q_rope [B, H, R], cache_layer [num_slots, C+R],
-    block_tables [B, nb], seq_lens [B] (>= 1) -> context latents [B, H, C] in ``out_dtype`` (default float32).
+    """q_latent [N, H, C], q_rope [N, H, R], cache_layer [num_slots, C+R],
+    block_tables [N, nb] or [N / Q, nb] (Q rows a sequence, consecutive: ``query_rows``), seq_lens [N] (>= 1)
+    -> context latents [N, H, C] in ``out_dtype`` (default float32).
 
     With ``layer``, cache_layer is the whole cache [L, num_slots, D] (the Pallas kernel then
-    reads that layer in place). An FP8 cache holds rows in the layout of layers/kv_quant.py."""
+    reads that layer in place). An FP8 cache holds rows in the layout of layers/kv_quant.py.
+    Rows a sequence go to a kernel that reads its context once for them all where one is selected;
+    otherwise each row gets the sequence's table and reads the context itself."""
+    N, H, C = q_latent.shape
+    Q = query_rows(N, block_tables)
+    if Q > 1:
+        B = N // Q
+        ctx = kernel_selection.mla_attention(q_latent.reshape(B, Q, H, C), q_rope.reshape(B, Q, H, -1), cache_layer,
+                                             block_tables, seq_lens.reshape(B, Q), block_size, scale, layer,
+                                             out_dtype=out_dtype)
+        if ctx is not None:
+            return ctx.reshape(N, H, C)
+        block_tables = jnp.repeat(block_tables, Q, axis=0)
     ctx = kernel_selection.mla_attention(q_latent, q_rope, cache_layer, block_tables, seq_lens, block_size, scale, layer,
                                          out_dtype=out_dtype)
     if ctx is not None:
@@ -69,7 +91,9 @@ def mfa_decode_attention(q, cache_layer, block_tables, seq_lens, block_size: int
     seq_lens [B] (>= 1) -> context [B, nh, D] float32. With ``layer``, cache_layer is the whole
     cache [L, num_slots, D'] (the Pallas kernel then reads that layer in place).
 
-    XLA path: one gather of the sequence's rows, then one einsum for all heads of each KV group."""
+    XLA path: one gather of the sequence's rows, then one einsum for all heads of each KV group.
+    block_tables [B / Q, nb] (Q rows a sequence, ``query_rows``): each row is given its sequence's table."""
+    block_tables = jnp.repeat(block_tables, query_rows(q.shape[0], block_tables), axis=0)
     ctx = kernel_selection.mfa_attention(q, cache_layer, block_tables, seq_lens, block_size, scale, num_kv_heads,
                                          layer, out_dtype=out_dtype)
     if ctx is not None:

@@ -13,6 +13,7 @@ from moejax.layers.linear import Embedding, Linear
 from moejax.layers.mlp import GatedMLP
 from moejax.layers.moe import MoE
 from moejax.layers.norm import RMSNorm
+from moejax.layers.paged_attention import query_rows
 from moejax.parallel.dispatch import ExpertParallel
 
 
@@ -134,7 +135,9 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(tokens)
         B = tokens.shape[0]
         if self.ep.micro_batches(B, "decode") == 2:  # dual-batch overlap (ExpertParallel.micro_batches)
-            parts = split_rows(B, h, positions, slots, block_tables, seq_lens)
+            # Micro-batches split rows, so each row takes its own table (rows a sequence: query_rows).
+            tables = jnp.repeat(block_tables, query_rows(B, block_tables), axis=0)
+            parts = split_rows(B, h, positions, slots, tables, seq_lens)
             for layer in self.layers:
                 parts, cache = layer.decode_micro(parts, cache, block_size)
             return jnp.concatenate([p[0] for p in parts]), cache
