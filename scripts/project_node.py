@@ -3,8 +3,12 @@
 one GPU's measured per-rank decode step, the dispatch/combine bytes per MoE layer and a stated
 interconnect bandwidth, with and without dual-batch overlap (DBO). Real multi-GPU runs replace it.
 
-  python scripts/project_node.py                       # both models, H200 NVLink and MI300X xGMI
-  python scripts/project_node.py --model v3 --concurrency 1024,2048,4096 --efficiency 0.6 --json out.json
+  python scripts/project_node.py                       # both models, 8x H200 and 8x MI300X (192 GB)
+  python scripts/project_node.py --model v3 --link h200 --concurrency 1024,1576 --efficiency 0.6 --json out.json
+
+Only what fits is projected: each node's concurrency is checked against the memory plan
+(scripts/plan_memory.py) first; by default the seed's concurrency where the node holds it (8x MI300X:
+4096), else the largest that fits (8x H200: 1,576 for DeepSeek-V3 at input 2000 / output 100).
 
 Per step of a node at concurrency C (T = C / 8 tokens per rank, every sequence one token):
 - compute: the EP8-rank preset's decode step measured on one GPU (MEASURED below, BENCHMARKS.md;
@@ -22,9 +26,16 @@ Per step of a node at concurrency C (T = C / 8 tokens per rank, every sequence o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moejax.benchmark.memory_plan import plan  # noqa: E402
+from moejax.tiny.presets import preset  # noqa: E402
 
 # `scripts/bench_decode.py --preset <p> --kernels auto --fill random` (BENCHMARKS.md), one GPU: tokens per
 # rank -> (step seconds, preset layers, source). DeepSeek-V3 with FP8 weights (bf16 does not fit
@@ -58,6 +69,16 @@ LINKS = {
     "h200": (450e9, "H200 NVLink 4: 900 GB/s bidirectional a GPU (NVIDIA H200 datasheet)"),
     "mi300x": (448e9, "MI300X Infinity Fabric: 896 GB/s peak aggregate bidirectional a GPU, 7 links (AMD datasheet)"),
 }
+# Each node's GPU memory (GB a GPU, datasheets): a concurrency is projected only where the memory plan
+# (moejax/benchmark/memory_plan.py: FP8 weights, FP8 KV cache, the workload's input + output a sequence)
+# holds it on that node. The default concurrency: the largest that fits, or the seed's own where it fits.
+GPU_MEMORY_GB = {"h200": 141.0, "mi300x": 192.0}
+WORKLOAD = {"v3": dict(preset="deepseek-v3", input_len=2000, output_len=100, seed_concurrency=4096),
+            "step3": dict(preset="step3", input_len=4096, output_len=256, seed_concurrency=256)}
+# MTP (k draft tokens a step): the per-rank step with speculation over the plain one, projected to the
+# full depth from two measured layer counts (scripts/bench_spec_decode.py --layers A,B; BENCHMARKS.md):
+# tokens a rank -> {k: (ratio, source)}. Empty: no measurement at depth yet, so no MTP row is printed.
+MTP_STEP_RATIO: dict = {"v3": {}, "step3": {}}
 # The split's own cost: per-rank step with DBO on over off, collectives mocked (mock GPU topology,
 # DeepSeek-V3 shapes, 3 layers; benchmarks/2026-12-04b run3/run4): tokens per rank -> cost.
 DBO_COST = {64: 3.116 / 2.458 - 1, 256: 7.337 / 5.971 - 1}
@@ -82,7 +103,23 @@ def expected_remote_ranks(m: dict, ranks: int) -> float:
     return min((ranks - 1) * (1 - p_absent), m["max_ranks_per_token"] * (ranks - 1) / ranks)
 
 
-def project(model: str, C: int, link: str, efficiency: float, latency: float, ranks: int = 8) -> dict:
+@functools.lru_cache(maxsize=None)
+def fitting_concurrency(model: str, link: str, ranks: int = 8) -> int:
+    """The most sequences of the model's workload a node of ``link``'s GPUs holds (FP8 weights and KV cache,
+    DP attention + EP experts over ``ranks`` GPUs, vLLM's 0.9 of memory less 6 GB a GPU reserved)."""
+    w = WORKLOAD[model]
+    r = plan(preset(w["preset"]), f"dp{ranks}-ep{ranks}", "fp8", GPU_MEMORY_GB[link], 0.9, 6.0, "fp8",
+             w["input_len"], w["output_len"])
+    return r["seqs_per_node"] if r["fits"] else 0
+
+
+def default_concurrency(model: str, link: str) -> int:
+    """The seed's concurrency where it fits the node, else the largest that does."""
+    return min(WORKLOAD[model]["seed_concurrency"], fitting_concurrency(model, link))
+
+
+def project(model: str, C: int, link: str, efficiency: float, latency: float, ranks: int = 8,
+            acceptance: tuple = ()) -> dict:
     m = MEASURED[model]
     T = C / ranks
     per_layer_scaled = {t: s / layers * m["full_layers"] for t, (s, layers, _) in m["points"].items()}
@@ -105,14 +142,35 @@ def project(model: str, C: int, link: str, efficiency: float, latency: float, ra
         on = max(compute * (1 + cost), ex)
         out["variants"][name] = {"exchange_s": ex, "step_s": off, "step_dbo_s": on,
                                  "tok_s": C / off, "tok_s_dbo": C / on}
+    # MTP: the step costs ratio x compute and moves k + 1 rows a sequence; a sequence gains sum_i a^i tokens.
+    out["mtp"] = {}
+    for k, ratios in sorted(_mtp_ratios(model).items()):
+        ratio = interp({t: r for t, (r, _) in ratios.items()}, T)
+        ex = exchange["rows that exist, FP8 dispatch"] * (k + 1)
+        step = max(compute * ratio * (1 + cost), ex)
+        out["mtp"][k] = {"step_ratio": ratio, "exchange_s": ex, "step_dbo_s": step,
+                         "tok_s_dbo": {str(a): C * sum(a ** i for i in range(k + 1)) / step for a in acceptance}}
+    return out
+
+
+def _mtp_ratios(model: str) -> dict:
+    """{k: {tokens a rank: (ratio, source)}} from MTP_STEP_RATIO."""
+    out: dict = {}
+    for t, by_k in MTP_STEP_RATIO[model].items():
+        for k, v in by_k.items():
+            out.setdefault(k, {})[t] = v
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="v3,step3", help="comma list of v3 / step3")
-    p.add_argument("--concurrency", default=None, help="node concurrency list (default v3: 1024,2048,4096; step3: 256)")
-    p.add_argument("--link", default="h200,mi300x", help="comma list of " + " / ".join(LINKS))
+    p.add_argument("--concurrency", default=None,
+                   help="node concurrency list; default: the seed's (v3 4096, step3 256) where the node holds it, "
+                        "else the largest that fits (scripts/plan_memory.py); one that does not fit is not projected")
+    p.add_argument("--link", default="h200,mi300x", help="the node's GPUs (memory and link), comma list of "
+                   + " / ".join(LINKS))
+    p.add_argument("--acceptance", default="0.6,0.8", help="MTP per-position acceptance rates to project")
     p.add_argument("--efficiency", type=float, default=0.75,
                    help="fraction of the link's bandwidth an all-to-all reaches (assumed; DeepEP's intranode "
                         "kernels report ~155 GB/s of H800's 200 GB/s a direction)")
@@ -121,14 +179,16 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not 0 < a.efficiency <= 1:
         raise SystemExit(f"--efficiency must be in (0, 1], got {a.efficiency}")
+    acceptance = tuple(float(x) for x in a.acceptance.split(",")) if a.acceptance else ()
+    if any(not 0 <= x <= 1 for x in acceptance):
+        raise SystemExit(f"--acceptance: rates must be in [0, 1], got {a.acceptance}")
     results = []
     print("A MODEL (scripts/project_node.py): per-rank compute measured on one GPU (H100 or H200, each point "
-          "says), exchange from bytes / assumed bandwidth.\n")
+          "says), exchange from bytes / assumed bandwidth; only concurrencies the node's memory holds.\n")
     for model in a.model.split(","):
         if model not in MEASURED:
             raise SystemExit(f"--model: unknown {model!r}; choose from {sorted(MEASURED)}")
         m = MEASURED[model]
-        cs = a.concurrency or ("1024,2048,4096" if model == "v3" else "256")
         print(f"== {model}: {m['preset']}, {m['full_layers']} layers ({m['moe_layers']} MoE); measured per-rank "
               f"steps: " + "; ".join(f"T={t}: {s * 1e3:.2f} ms ({n} layers, {src})"
                                      for t, (s, n, src) in m["points"].items()))
@@ -136,14 +196,29 @@ def main(argv=None) -> int:
         for link in a.link.split(","):
             if link not in LINKS:
                 raise SystemExit(f"--link: unknown {link!r}; choose from {sorted(LINKS)}")
+            fit = fitting_concurrency(model, link)
+            cs = [int(c) for c in a.concurrency.split(",")] if a.concurrency else [default_concurrency(model, link)]
+            print(f"   node {link}: 8 x {GPU_MEMORY_GB[link]:g} GB holds {fit:,} sequences of "
+                  f"{WORKLOAD[model]['input_len']} + {WORKLOAD[model]['output_len']} tokens (FP8 weights and KV cache)")
             print(f"   link {link}: {LINKS[link][1]}, x {a.efficiency} efficiency, {a.latency_us} us a collective")
             print(f"   {'C':>5} {'T/rank':>6} {'compute':>9} {'exchange':>30} {'no DBO':>16} {'DBO (bound)':>16}")
-            for C in (int(c) for c in cs.split(",")):
-                r = project(model, C, link, a.efficiency, a.latency_us * 1e-6)
+            for C in cs:
+                if C > fit:
+                    print(f"   {C:>5}  does not fit this node (largest: {fit:,}): not projected")
+                    results.append({"model": model, "concurrency": C, "link": link, "fits": False, "fit": fit})
+                    continue
+                r = dict(project(model, C, link, a.efficiency, a.latency_us * 1e-6, acceptance=acceptance),
+                         fits=True, fit=fit)
                 results.append(r)
                 for name, v in r["variants"].items():
                     print(f"   {C:>5} {r['tokens_per_rank']:>6.0f} {r['compute_s'] * 1e3:>7.1f}ms "
                           f"{name:>22} {v['exchange_s'] * 1e3:>5.1f}ms {v['tok_s']:>9,.0f} tok/s {v['tok_s_dbo']:>9,.0f} tok/s")
+                for k, v in r["mtp"].items():
+                    rates = ", ".join(f"{x} accepted: {t:,.0f} tok/s" for x, t in v["tok_s_dbo"].items())
+                    print(f"   {C:>5} MTP k={k}: step x {v['step_ratio']:.2f} (projected to depth), FP8 dispatch of "
+                          f"{k + 1} rows, DBO bound: {rates}")
+                if not r["mtp"]:
+                    print(f"   {C:>5} MTP: no step measured at depth (MTP_STEP_RATIO): not projected")
             print()
     if a.json:
         with open(a.json, "w") as f:

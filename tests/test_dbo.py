@@ -125,9 +125,17 @@ def test_node_projection_is_consistent(tmp_path):
     import json
     pn = _script("project_node")
     out = tmp_path / "p.json"
-    assert pn.main(["--model", "v3,step3", "--concurrency", "4096", "--link", "h200", "--json", str(out)]) == 0
+    assert pn.main(["--model", "v3,step3", "--link", "h200", "--json", str(out)]) == 0
     res = json.load(open(out))["results"]
-    assert {r["model"] for r in res} == {"v3", "step3"}
+    assert {r["model"] for r in res} == {"v3", "step3"} and all(r["fits"] for r in res)
+    # The defaults: the seed's concurrency where the node holds it (Step3's 256), else the largest that fits.
+    v3 = next(r for r in res if r["model"] == "v3")
+    assert v3["concurrency"] == v3["fit"] == pn.fitting_concurrency("v3", "h200") < 4096
+    assert next(r for r in res if r["model"] == "step3")["concurrency"] == 256
+    # A concurrency the node cannot hold is not projected.
+    assert pn.main(["--model", "v3", "--link", "h200", "--concurrency", "4096", "--json", str(out)]) == 0
+    (big,) = json.load(open(out))["results"]
+    assert big["fits"] is False and "variants" not in big
     for r in res:
         v = list(r["variants"].values())
         assert [x["exchange_s"] for x in v] == sorted((x["exchange_s"] for x in v), reverse=True)
@@ -139,3 +147,5 @@ def test_node_projection_is_consistent(tmp_path):
         pn.main(["--efficiency", "0"])
     with pytest.raises(SystemExit, match="--link"):
         pn.main(["--link", "pcie"])
+    with pytest.raises(SystemExit, match="--acceptance"):
+        pn.main(["--acceptance", "1.5"])
