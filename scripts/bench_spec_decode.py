@@ -11,6 +11,8 @@ in a row, plus one), so projected tokens/s = B x that / step time. k = 0 gives B
 
   python scripts/bench_spec_decode.py --preset deepseek-v3-ep8-rank --layers 4 --batch 1,16,64,256 \\
       --k 0,1,2 --input-len 1000 --json spec.json
+  python scripts/bench_spec_decode.py --layers 2,4 --batch 16,64,197 --k 0,1,2   # + PROJECTED to 61 layers
+  python scripts/bench_spec_decode.py --project l2.json l4.json                  # the projection of two runs
   python scripts/bench_spec_decode.py --preset v3-tiny --batch 1,2 --k 0,1 --input-len 8 --steps 2   # CPU smoke
 """
 
@@ -77,7 +79,11 @@ def time_point(hf, params, a, batch: int, k: int) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="deepseek-v3-ep8-rank")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (first dense), the MTP layer besides")
+    ap.add_argument("--layers", default=None,
+                    help="decoder layers (first dense), the MTP layer besides; a comma list of two or more counts "
+                         "also fits each point's step as fixed + per-layer cost and PROJECTS it to the full depth")
+    ap.add_argument("--project", nargs="+", default=None, metavar="JSON",
+                    help="no timing: fit and project the --json outputs of runs at different layer counts")
     ap.add_argument("--batch", default="1,16,64,256", help="comma list of decode batch sizes")
     ap.add_argument("--k", default="0,1,2", help="comma list of num_speculative_tokens (0: no speculation)")
     ap.add_argument("--input-len", type=int, default=1000)
@@ -90,28 +96,84 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     a.acceptance = [float(x) for x in a.acceptance.split(",")]
+    if a.project:
+        runs = [json.load(open(f)) for f in a.project]
+        print_depth_projection(runs, full_depth(runs[0]["preset"]), a.acceptance)
+        return runs
     batches, ks = [int(x) for x in a.batch.split(",")], [int(x) for x in a.k.split(",")]
-    hf = bench_hf_config(a.preset, a.layers, num_nextn_predict_layers=1)
-    cfg = parse_model_config(hf)
-    params = random_device_params(cfg, a.dtype, fp8=EngineConfig.create(cfg, max_model_len=64).fp8)
-    print(f"device: {jax.devices()[0].device_kind}; {a.preset} with {cfg.num_hidden_layers} layers + MTP, "
-          f"input {a.input_len}, kv {a.kv_dtype}; tokens/s at acceptance {a.acceptance} are PROJECTIONS "
-          "(random weights accept nothing): B x sum_{i<=k} a^i / step time")
-    rows = []
-    for b in batches:
-        for k in ks:
-            r = time_point(hf, params, a, b, k)
-            rows.append(r)
-            proj = "  ".join(f"a={x}: {v:9.1f}" for x, v in r["projected_tok_per_s"].items())
-            print(f"B={b:4d} k={k}  step {r['step_ms']:8.3f} ms  measured {r['measured_tok_per_s']:9.1f} tok/s  "
-                  f"projected tok/s {proj}", flush=True)
+    layer_counts = [None] if a.layers is None else [int(x) for x in a.layers.split(",")]
+    runs = []
+    for layers in layer_counts:
+        hf = bench_hf_config(a.preset, layers, num_nextn_predict_layers=1)
+        cfg = parse_model_config(hf)
+        params = random_device_params(cfg, a.dtype, fp8=EngineConfig.create(cfg, max_model_len=64).fp8)
+        print(f"device: {jax.devices()[0].device_kind}; {a.preset} with {cfg.num_hidden_layers} layers + MTP, "
+              f"input {a.input_len}, kv {a.kv_dtype}; tokens/s at acceptance {a.acceptance} are PROJECTIONS "
+              "(random weights accept nothing): B x sum_{i<=k} a^i / step time")
+        rows = []
+        for b in batches:
+            for k in ks:
+                r = time_point(hf, params, a, b, k)
+                rows.append(r)
+                proj = "  ".join(f"a={x}: {v:9.1f}" for x, v in r["projected_tok_per_s"].items())
+                print(f"B={b:4d} k={k}  step {r['step_ms']:8.3f} ms  measured {r['measured_tok_per_s']:9.1f} tok/s  "
+                      f"projected tok/s {proj}", flush=True)
+        runs.append({"preset": a.preset, "layers": cfg.num_hidden_layers, "input_len": a.input_len,
+                     "kv_dtype": a.kv_dtype, "device": jax.devices()[0].device_kind, "acceptance": a.acceptance,
+                     "projection": "tokens/s = batch x sum_{i=0..k} a^i / step time (random weights)",
+                     "rows": rows})
+        del params
+        gc.collect()
+    out = runs[0] if len(runs) == 1 else {"runs": runs}
+    if len(runs) > 1:
+        out["depth_projection"] = print_depth_projection(runs, full_depth(a.preset), a.acceptance)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"preset": a.preset, "layers": cfg.num_hidden_layers, "input_len": a.input_len,
-                       "kv_dtype": a.kv_dtype, "device": jax.devices()[0].device_kind, "acceptance": a.acceptance,
-                       "projection": "tokens/s = batch x sum_{i=0..k} a^i / step time (random weights)",
-                       "rows": rows}, f, indent=1)
-    return rows
+            json.dump(out, f, indent=1)
+    return runs
+
+
+def full_depth(preset_name: str) -> int:
+    """The preset's own decoder layer count (the depth a projection goes to)."""
+    return int(bench_hf_config(preset_name, None, num_nextn_predict_layers=1)["num_hidden_layers"])
+
+
+def fit_depth(runs: list[dict]) -> dict:
+    """{(batch, k): (fixed s, per-layer s)}: a least-squares line through each point's step time against the
+    layer count, over runs at two or more layer counts (the MTP layer, lm_head and sampling are fixed)."""
+    if len({r["layers"] for r in runs}) < 2:
+        raise SystemExit("a depth projection needs runs at two or more layer counts (--layers A,B)")
+    pts: dict = {}
+    for r in runs:
+        for row in r["rows"]:
+            pts.setdefault((row["batch"], row["k"]), []).append((r["layers"], row["step_ms"] * 1e-3))
+    out = {}
+    for key, xy in pts.items():
+        if len({x for x, _ in xy}) < 2:
+            continue
+        per_layer, fixed = np.polyfit([x for x, _ in xy], [y for _, y in xy], 1)
+        out[key] = (float(fixed), float(per_layer))
+    return out
+
+
+def print_depth_projection(runs: list[dict], depth: int, acceptance: list[float]) -> list[dict]:
+    """Prints (and returns) the fit's step at ``depth`` layers for each (batch, k), its ratio to k = 0 at
+    the same batch, and tokens/s at each acceptance rate against k = 0's: a PROJECTION."""
+    fits = fit_depth(runs)
+    print(f"\nPROJECTION to {depth} layers (fixed + per-layer cost fitted over layers "
+          f"{sorted({r['layers'] for r in runs})}, {runs[0]['device']}): step, ratio to k=0, tok/s vs k=0")
+    out = []
+    for (b, k), (fixed, per) in sorted(fits.items()):
+        step = fixed + per * depth
+        plain = fits.get((b, 0))
+        ratio = step / (plain[0] + plain[1] * depth) if plain else float("nan")
+        gains = {str(x): expected_tokens(x, k) / ratio for x in acceptance}
+        out.append({"batch": b, "k": k, "fixed_ms": fixed * 1e3, "per_layer_ms": per * 1e3,
+                    "step_ms": step * 1e3, "ratio_to_plain": ratio, "tok_s_vs_plain": gains})
+        g = "  ".join(f"a={x}: {v:.2f}x" for x, v in gains.items())
+        print(f"B={b:4d} k={k}  fixed {fixed * 1e3:7.3f} ms + {per * 1e3:6.3f} ms/layer -> {step * 1e3:8.2f} ms  "
+              f"x{ratio:5.2f} plain  tok/s {g}")
+    return out
 
 
 if __name__ == "__main__":

@@ -293,8 +293,9 @@ def test_bench_spec_decode_runs_on_cpu(tmp_path):
     projection sum_{i<=k} a^i x batch / step time (k = 0: batch / step time at every rate)."""
     import bench_spec_decode
     out = tmp_path / "spec.json"
-    rows = bench_spec_decode.main(["--preset", "v3-tiny", "--batch", "2", "--k", "0,1", "--input-len", "8",
-                                   "--steps", "2", "--dtype", "float32", "--json", str(out)])
+    (run,) = bench_spec_decode.main(["--preset", "v3-tiny", "--batch", "2", "--k", "0,1", "--input-len", "8",
+                                     "--steps", "2", "--dtype", "float32", "--json", str(out)])
+    rows = run["rows"]
     assert [(r["batch"], r["k"]) for r in rows] == [(2, 0), (2, 1)]
     assert json.load(open(out))["rows"] == rows
     for r in rows:
@@ -303,6 +304,33 @@ def test_bench_spec_decode_runs_on_cpu(tmp_path):
         np.testing.assert_allclose(r["projected_tok_per_s"]["0.8"],
                                    2 * sum(0.8 ** i for i in range(r["k"] + 1)) / step, rtol=1e-9)
     assert bench_spec_decode.expected_tokens(0.9, 2) == pytest.approx(1 + 0.9 + 0.81)
+
+
+def test_bench_spec_decode_projects_to_depth(tmp_path, capsys):
+    """Runs at two layer counts -> each (batch, k) fitted as fixed + per-layer cost (exact for exact lines),
+    projected to the preset's depth, its ratio to k = 0 and tokens/s against k = 0 at each acceptance rate;
+    one layer count is refused (nothing to fit)."""
+    import bench_spec_decode
+    rng = np.random.default_rng()
+    fixed, per = {0: 1.0, 1: 2.5}, {0: 0.5, 1: 0.6}  # ms, drawn lines below
+    fixed = {k: v * rng.uniform(0.5, 2) for k, v in fixed.items()}
+    files = []
+    for L in (2, 4):
+        rows = [{"batch": 16, "k": k, "step_ms": fixed[k] + per[k] * L} for k in (0, 1)]
+        f = tmp_path / f"l{L}.json"
+        f.write_text(json.dumps({"preset": "deepseek-v3-ep8-rank", "layers": L, "device": "cpu", "rows": rows}))
+        files.append(str(f))
+    runs = bench_spec_decode.main(["--project", *files, "--acceptance", "0.8"])
+    out = bench_spec_decode.print_depth_projection(runs, 61, [0.8])
+    by_k = {r["k"]: r for r in out}
+    for k in (0, 1):
+        assert by_k[k]["step_ms"] == pytest.approx(fixed[k] + per[k] * 61)
+    ratio = (fixed[1] + per[1] * 61) / (fixed[0] + per[0] * 61)
+    assert by_k[1]["ratio_to_plain"] == pytest.approx(ratio)
+    assert by_k[1]["tok_s_vs_plain"]["0.8"] == pytest.approx(1.8 / ratio)
+    assert "PROJECTION to 61 layers" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="two or more layer counts"):
+        bench_spec_decode.main(["--project", files[0]])
 
 
 def test_bench_serve_spec_decode_summary():

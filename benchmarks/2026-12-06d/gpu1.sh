@@ -20,5 +20,4 @@ S="--section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnal
 run ncu_triton 90 $NCU --clock-control none --kernel-name regex:mla --launch-skip 2 --launch-count 1 $S python3 $D/mla_ncu_driver.py triton bf16
 run mosaic 60 python3 $D/mosaic_probe.py
 B="python3 scripts/bench_spec_decode.py --preset deepseek-v3-ep8-rank --batch 16,64,197 --k 0,1,2 --input-len 1000 --steps 6 --warmup 2"
-run spec_l2 100 $B --layers 2 --json $R/spec_l2.json
-run spec_l4 100 $B --layers 4 --json $R/spec_l4.json
+run spec 200 $B --layers 2,4 --json $R/spec.json
