@@ -14,6 +14,10 @@ batches, where decode attention is compute-bound (each cache row meets every hea
   bytes (masked loads fill zero), widened to bf16 for the dots, its row scale applied to the scores
   and to the probabilities, as the Pallas kernel does.
 
+Several query rows a sequence (the speculative verify's k + 1 tokens, each attending to its own length):
+the program's M rows are (query row, head) pairs, so a sequence's context is read once for all its rows
+(at 16 heads x 4 rows the 64-row wgmma tile is full, where one row fills a quarter of it).
+
 The grid is (head blocks, splits, sequences), head blocks fastest so that the programs sharing a
 cache tile run together and meet it in L2. Exactness: against float64 NumPy in Triton's interpreter
 on CPU and on the device (tests/test_triton_mla_decode.py). ROCm: the same source through jax-triton's
