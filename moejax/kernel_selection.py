@@ -503,7 +503,8 @@ def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, blo
         return Choice("xla", reason="mode or platform")
     if not forced and not (_triton_dim(latent) and _triton_dim(rope) and heads >= 1):
         return Choice("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
-    if rows > 1 and mla_kernel(heads, latent, rope, cache_dtype, rows) == "triton":
+    if rows > 1 and (forced or _fp8(cache_dtype) and heads < 64) and \
+            mla_kernel(heads, latent, rope, cache_dtype, rows) == "triton":
         return Choice("triton", dict(_triton_mla_params(batch, heads * rows, max_len), rows=rows),
                       "forced" if forced else "gpu")
     if mla_kernel(heads, latent, rope, cache_dtype) == "triton":
@@ -526,15 +527,17 @@ def mla_kernel(heads: int, latent: int, rope: int, cache_dtype, rows: int = 1) -
     2048 (benchmarks/2026-12-06b/h100/rC/mla*.txt): FP8 cache Triton 2.12 ms, XLA 3.84, Pallas' page
     tile 6.94; bf16 cache Triton 1.54 ms, Pallas' gather tile 1.40 (and 0.83 vs 0.75 at 256 sequences):
     bf16 stays on Pallas. ROCm's 64 KB of LDS cannot hold the Triton kernel's tiles.
-    Several query rows a sequence (``rows`` > 1, the verify): Triton for any heads and cache on CUDA, the
-    one kernel that reads a sequence's context once for all its rows.
+    Several query rows a sequence (``rows`` > 1, the verify): the rows together in Triton (the one kernel
+    that reads a sequence's context once for all its rows) over an FP8 cache below 64 heads.
     ``MOEJAX_MLA_KERNEL=pallas|triton`` forces one (measuring)."""
     want = os.environ.get(MLA_KERNEL_ENV, "auto")
     if want not in MLA_KERNELS:
         raise ValueError(f"{MLA_KERNEL_ENV} must be one of {MLA_KERNELS}, got {want!r}")
     if want != "auto":
         return want
-    wide = rows > 1 or (heads >= 64 and _fp8(cache_dtype))
+    # Rows together pay over an FP8 cache below 64 heads (16 heads, 2-4 rows: 1.5-2.1x the per-row kernels);
+    # elsewhere they measured 0.96-1.0x (H100, benchmarks/2026-12-06d/h100/r1/rows.txt): per-row there.
+    wide = (rows > 1 and heads < 64 and _fp8(cache_dtype)) or (heads >= 64 and _fp8(cache_dtype))
     ok = platform() == "cuda" and wide and _triton_dim(latent) and _triton_dim(rope)
     return "triton" if ok and jax_triton_compat.available()[0] else "pallas"
 

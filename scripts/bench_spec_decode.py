@@ -82,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--layers", default=None,
                     help="decoder layers (first dense), the MTP layer besides; a comma list of two or more counts "
                          "also fits each point's step as fixed + per-layer cost and PROJECTS it to the full depth")
+    ap.add_argument("--depth", type=int, default=61, help="layers the projection goes to (DeepSeek-V3: 61)")
     ap.add_argument("--project", nargs="+", default=None, metavar="JSON",
                     help="no timing: fit and project the --json outputs of runs at different layer counts")
     ap.add_argument("--batch", default="1,16,64,256", help="comma list of decode batch sizes")
@@ -97,8 +98,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     a.acceptance = [float(x) for x in a.acceptance.split(",")]
     if a.project:
-        runs = [json.load(open(f)) for f in a.project]
-        print_depth_projection(runs, full_depth(runs[0]["preset"]), a.acceptance)
+        runs = [r for f in a.project for r in (lambda d: d.get("runs", [d]))(json.load(open(f)))]
+        print_depth_projection(runs, a.depth, a.acceptance)
         return runs
     batches, ks = [int(x) for x in a.batch.split(",")], [int(x) for x in a.k.split(",")]
     layer_counts = [None] if a.layers is None else [int(x) for x in a.layers.split(",")]
@@ -126,16 +127,11 @@ def main(argv=None):
         gc.collect()
     out = runs[0] if len(runs) == 1 else {"runs": runs}
     if len(runs) > 1:
-        out["depth_projection"] = print_depth_projection(runs, full_depth(a.preset), a.acceptance)
+        out["depth_projection"] = print_depth_projection(runs, a.depth, a.acceptance)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
     return runs
-
-
-def full_depth(preset_name: str) -> int:
-    """The preset's own decoder layer count (the depth a projection goes to)."""
-    return int(bench_hf_config(preset_name, None, num_nextn_predict_layers=1)["num_hidden_layers"])
 
 
 def fit_depth(runs: list[dict]) -> dict:

@@ -78,7 +78,9 @@ WORKLOAD = {"v3": dict(preset="deepseek-v3", input_len=2000, output_len=100, see
 # MTP (k draft tokens a step): the per-rank step with speculation over the plain one, projected to the
 # full depth from two measured layer counts (scripts/bench_spec_decode.py --layers A,B; BENCHMARKS.md):
 # tokens a rank -> {k: (ratio, source)}. Empty: no measurement at depth yet, so no MTP row is printed.
-MTP_STEP_RATIO: dict = {"v3": {}, "step3": {}}
+_SRC = "H100 2026-12-06d, bench_spec_decode --layers 2,4 projected to 61, context 1000, bf16 weights"
+MTP_STEP_RATIO: dict = {"v3": {16: {1: (1.08, _SRC), 2: (1.21, _SRC)}, 64: {1: (1.29, _SRC), 2: (1.44, _SRC)},
+                               197: {1: (1.60, _SRC), 2: (2.17, _SRC)}}, "step3": {}}
 # The split's own cost: per-rank step with DBO on over off, collectives mocked (mock GPU topology,
 # DeepSeek-V3 shapes, 3 layers; benchmarks/2026-12-04b run3/run4): tokens per rank -> cost.
 DBO_COST = {64: 3.116 / 2.458 - 1, 256: 7.337 / 5.971 - 1}
