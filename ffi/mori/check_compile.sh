@@ -9,7 +9,7 @@
 #   3. linked into a shared library, and every MoRI symbol it needs found, by its mangled signature,
 #      in the wheel's libmori_ops.so / libmori_shmem.so (so the calls match the shipped ABI).
 # Nothing is run: that needs AMD GPUs. Usage: check_compile.sh MORI_DIR [XLA_FFI_INCLUDE_DIR]
-#   MORI_DIR: the wheel's mori/ directory (pip download amd-mori --python-version 3.12
+#   MORI_DIR: the wheel's mori/ directory (pip download amd-mori==1.0.0 --python-version 3.12
 #   --only-binary=:all: --no-deps, then unzip).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -30,6 +30,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "../ep_contract.h"
 #include "layout_kernels.h"
@@ -67,6 +68,17 @@ HandleKey KeyOf(const DispatchShape& s) {
   return {s.n_ranks, s.tokens, s.hidden, s.scale_dim, s.experts_per_rank, s.topk};
 }
 
+// MoRI must move the tokens as they are (the contract: FP8 tokens arrive as FP8 with their scales,
+// bf16 as bf16). The pinned amd-mori 1.0.0 (pyproject.toml's rocm extra; 1.1.1-1.2.4 likewise) says
+// so with quantType; MoRI's sources before quantType (ROCm/mori b68a9846, for one) have
+// enableInternalFp8Quant instead. Each is set only where the headers declare it: either compiles.
+template <typename Config>
+void SetNoMoriQuantisation(Config& c) {
+  if constexpr (requires { c.quantType; }) c.quantType = std::remove_cvref_t<decltype(c.quantType)>::None;
+  // Off: it defaults to true where it exists, and MoRI must not cast our tokens to FP8 itself.
+  if constexpr (requires { c.enableInternalFp8Quant; }) c.enableInternalFp8Quant = false;
+}
+
 // Creates the handle (collective symmetric allocations: every PE initialises the same programs in
 // the same order) and loads MoRI's kernels: host work that must not happen while XLA captures a
 // command buffer, hence in the initialize stage.
@@ -97,7 +109,7 @@ ffi::Error EnsureHandle(const DispatchShape& s) {
   c.useExternalInpBuffer = true;  // combine pushes from XLA's y: the "_nop2p" kernel
   c.kernelType = moe::KernelType::IntraNode;
   c.gpuPerNode = pes;
-  c.quantType = moe::QuantType::None;
+  SetNoMoriQuantisation(c);  // quantType None / enableInternalFp8Quant false: tokens unchanged
   try {
     auto& registry = moe::KernelRegistry::Instance();
     if (!registry.IsLoaded()) registry.AutoLoad();
