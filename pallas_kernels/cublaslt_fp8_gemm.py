@@ -53,17 +53,21 @@ def available() -> tuple[bool, str]:
         lib = ctypes.cdll.LoadLibrary(str(path))
     except OSError as e:
         return False, f"{path} does not load ({e}); rebuild it with ffi/cuda/build.sh"
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.MoejaxFp8BlockGemm), platform="CUDA")
+    # Command-buffer compatible: XLA keeps the call inside the step's CUDA graph (the handler's workspace is
+    # its own, ffi/cuda/fp8_block_gemm.cc); without the trait each call split the graph.
+    from jax._src.lib import xla_client
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.MoejaxFp8BlockGemm), platform="CUDA",
+                                traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
     return True, ""
 
 
 def check(n: int, k: int) -> str:
-    """Why cuBLASLt's block-scaled GEMM is not used for an [n, k] weight, or "" if it is. cuBLASLt 13.1 on
-    an H100 returned wrong products (relative error 0.8-500) for K = 256 at every M and N tried, right ones
-    (1.7e-3) for K 1536, 2048, 7168 (benchmarks/2026-12-06c/h100/rK/probe2.txt): K from 1536 in whole
-    512s (K/128 in fours; the failing 256 has two), N in 16s (16-byte rows)."""
-    if k % 512 or k < 1536 or n % 16:
-        return f"needs K >= 1536 with K % 512 == 0 and N % 16 == 0, got N={n}, K={k}"
+    """Why cuBLASLt's block-scaled GEMM is not used for an [n, k] weight, or "" if it is: K in whole 128s (the
+    scale blocks), N in 16s (16-byte rows). cuBLASLt reads both scale tensors with their leading dimension in
+    fours; the wrapper pads them (the weight scales' K/128 unpadded gave wrong products at K = 256 on an H100,
+    benchmarks/2026-12-06c/h100/rK/probe2.txt)."""
+    if k % SCALE_BLOCK or n % 16:
+        return f"needs K % 128 == 0 and N % 16 == 0, got N={n}, K={k}"
     return ""
 
 
@@ -88,6 +92,8 @@ def cublaslt_fp8_matmul(x, w, w_scale, *, out_dtype=jnp.bfloat16, quant=None):
     xq, xs = (quant or act_quant)(jnp.pad(x, ((0, Mp - M), (0, 0))) if Mp != M else x)
     # The activation scales M-major ([K/128, M]: what cuBLASLt reads for 128-element vectors on B; the
     # [M, K/128] layout gave 0.6 relative error on the device), the weight scales as HF stores them.
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((Mp, N), jnp.bfloat16))(
-        xq, xs.T, w, w_scale.astype(jnp.float32))
+    ws = w_scale.astype(jnp.float32)
+    if (kb := K // SCALE_BLOCK) % 4:  # the weight scales' rows in fours, as cuBLASLt reads them
+        ws = jnp.pad(ws, ((0, 0), (0, -kb % 4)))
+    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((Mp, N), jnp.bfloat16))(xq, xs.T, w, ws)
     return y[:M].astype(out_dtype)

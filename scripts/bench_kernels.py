@@ -191,7 +191,7 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
             with kernel_mode("pallas"):
                 ch = select_mla(B, H, C, R, nb * bs, bs, cache.dtype)
                 base = {"pallas": _paged_decode_params(B, H, nb * bs, bs, cache.dtype),
-                        "triton": _triton_mla_params(B, H, nb * bs)}
+                        "triton": _triton_mla_params(B, H, nb * bs, kv == "fp8")}
             sel = dict(ch.params, kernel=ch.impl)
             configs = [sel] + ([dict(base[g.get("kernel", "pallas")], **g) for g in expand(grid or MLA_GRID)]
                                if sweep and kv in kvs_sweep else [])
@@ -240,7 +240,7 @@ def run_mla_rows(H, batches, ctx, rows, bw, rate, smoke, interpret, kvs):
                     flat = select_mla(B * Q, H, C, R, nb * bs, bs, cache.dtype)
                 tp = {kk: v for kk, v in grouped.params.items() if kk != "rows"}
                 if grouped.impl != "triton":
-                    tp = _triton_mla_params(B, H * Q, nb * bs)
+                    tp = _triton_mla_params(B, H * Q, nb * bs, kv == "fp8")
                 fg = jax.jit(functools.partial(triton_mla_decode, block_size=bs, scale=scale, layer=0,
                                                out_dtype=BF16, interpret=interpret, **tp))
                 t_g = bench(fg, ql, qr, cache, bt, lens)

@@ -184,11 +184,18 @@ def test_selection_routes_w8a8_to_triton(monkeypatch):
 
 
 _COMPILE = r"""
-import json, re, sys
+import json, os, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pallas_kernels import triton_block_fp8 as T
+
+
+def compile_(*args, **kw):  # jax_triton empties TRITON_CACHE_DIR when (lazily) imported; compile needs one
+    os.environ["TRITON_CACHE_DIR"] = os.environ["MOEJAX_TEST_TRITON_CACHE"]
+    return triton.compile(*args, **kw)
+
+
 
 out = {}
 import jax.numpy as jnp
@@ -207,7 +214,7 @@ for arch, target, f8, jdt in (("gfx942", GPUTarget("hip", "gfx942", 64), "fp8e4b
                                     ("dense", T._dense_kernel, dense, dict(M=512, N=7168, K=7168, BM=64, BN=128,
                                                                            BK=128, GROUP_M=8))):
         src = ASTSource(kern.get(False), dict(sig, **{c: "constexpr" for c in consts}), consts)
-        k = triton.compile(src, target=target, options=dict(num_warps=8, num_stages=2))
+        k = compile_(src, target=target, options=dict(num_warps=8, num_stages=2))
         asm = k.asm["amdgcn"] if arch == "gfx942" else k.asm["ptx"]
         pat = r"v_mfma_f32_\w+_fp8_fp8" if arch == "gfx942" else r"wgmma\.mma_async[\w.]*\.e4m3\.e4m3"
         out[f"{arch} {name}"] = sorted(set(re.findall(pat, asm)))
@@ -216,14 +223,14 @@ t = GPUTarget("cuda", 90, 32)
 aq = dict(M=4096, K=7168, BM=32, **T._fp8_grid(jnp.float8_e4m3fn))
 src = ASTSource(T._act_quant_kernel.get(False), dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32",
                                                       **{c: "constexpr" for c in aq}), aq)
-ptx = triton.compile(src, target=t, options=dict(num_warps=4, num_stages=1)).asm["ptx"]
+ptx = compile_(src, target=t, options=dict(num_warps=4, num_stages=1)).asm["ptx"]
 out["sm_90 act_quant"] = sorted(set(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)))
 bf = dict(N_ROWS=4096, H=7168, I=2048, I_PAD=2048, BM=64, BN=128, BK=64, SWN=1, SWK=2048, SCALED=False,
           **T._fp8_grid(jnp.float8_e4m3fn))
 sig = dict(x_ptr="*bf16", xs_ptr="*fp32", src_ptr="*i32", eid_ptr="*i32", wg_ptr="*bf16", sg_ptr="*fp32",
            wu_ptr="*bf16", su_ptr="*fp32", h_ptr="*bf16", hs_ptr="*fp32")
 src = ASTSource(T._gate_up_kernel.get(False), dict(sig, **{c: "constexpr" for c in bf}), bf)
-ptx = triton.compile(src, target=t, options=dict(num_warps=8, num_stages=3)).asm["ptx"]
+ptx = compile_(src, target=t, options=dict(num_warps=8, num_stages=3)).asm["ptx"]
 out["sm_90 gate_up bf16"] = sorted(set(re.findall(r"wgmma\.mma_async[\w.]*\.bf16\.bf16", ptx)))
 print(json.dumps(out))
 """
@@ -236,7 +243,7 @@ def test_kernels_compile_to_fp8_tensor_core_instructions(tmp_path):
     helper function) to e4m3 conversions and the unscaled bf16 expert kernel to bf16 wgmma. A fresh
     process: Triton compiles only outside its interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)),
-               TRITON_CACHE_DIR=str(tmp_path))  # Triton's default (~/.triton) may not be writable
+               MOEJAX_TEST_TRITON_CACHE=str(tmp_path))  # Triton's default (~/.triton) may not be writable
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     found = json.loads(r.stdout.strip().splitlines()[-1])

@@ -7,7 +7,13 @@
 // cuBLAS is column-major: y^T[N, M] = op(A) op(B) with A = w read as [K, N] (transposed: the FP8 "TN" form)
 // and B = x read as [K, M]. Scale modes: A 128 x 128 blocks, read from HF's [ceil(N/128), K/128] row-major;
 // B 128-element vectors along K, read M-major ([K/128, M] row-major: measured on an H100, the other three
-// layouts give wrong products). cuBLASLt 13.1 found no algorithm for M = 5: the caller pads M to fours.
+// layouts give wrong products). Both scale tensors' leading dimension is read in fours (16 bytes): the caller
+// pads M to fours and the weight scales' K/128 to fours (unpadded, K = 256 gave wrong products,
+// benchmarks/2026-12-06c; PyTorch's scaled_mm pads the same way).
+//
+// Command-buffer compatible (XLA captures the call into the step's CUDA graph; without the trait every call
+// split the graph, the suspect of decode's stalls, BENCHMARKS.md 2026-12-06c): so the workspace is one
+// buffer a device kept for the process, not XLA scratch, and nothing here synchronises.
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -27,6 +33,7 @@ constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLAS's recommendation for Ho
 
 std::mutex mu;
 std::map<int, cublasLtHandle_t> handles;  // one a device, kept for the process
+std::map<int, void*> workspaces;           // one a device: XLA issues a device's calls in order on its stream
 std::map<std::tuple<int, int64_t, int64_t, int64_t>, cublasLtMatmulAlgo_t> algos;
 
 ffi::Error LtError(const char* what, cublasStatus_t s) {
@@ -53,7 +60,7 @@ struct Descriptors {  // released on every path out
   }
 };
 
-ffi::Error Fp8BlockGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+ffi::Error Fp8BlockGemm(cudaStream_t stream, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::F32> x_scale, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> w_scale,
                         ffi::ResultBuffer<ffi::BF16> y) {
   if (x.element_type() != ffi::DataType::F8E4M3FN || w.element_type() != ffi::DataType::F8E4M3FN)
@@ -65,14 +72,18 @@ ffi::Error Fp8BlockGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   if (K % 128 || N % 16)
     return ffi::Error::InvalidArgument("moejax_fp8_block_gemm: K must be a multiple of 128 and N of 16, got K=" +
                                        std::to_string(K) + ", N=" + std::to_string(N));
-  const int64_t KB = K / 128, NB = (N + 127) / 128;
+  const int64_t KB = K / 128, NB = (N + 127) / 128, KB4 = (KB + 3) / 4 * 4;
+  if (M % 4)
+    return ffi::Error::InvalidArgument("moejax_fp8_block_gemm: M must be a multiple of 4 (the activation scales' "
+                                       "leading dimension), got M=" + std::to_string(M));
   if (x_scale.element_count() != static_cast<size_t>(M * KB) ||
-      w_scale.element_count() != static_cast<size_t>(NB * KB))
+      w_scale.element_count() != static_cast<size_t>(NB * KB4))
     return ffi::Error::InvalidArgument("moejax_fp8_block_gemm: x_scale must hold K/128 x M and w_scale "
-                                       "ceil(N/128) x K/128 float32 values");
+                                       "ceil(N/128) x K/128 rounded up to 4 float32 values");
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return ffi::Error::Internal("moejax_fp8_block_gemm: cudaGetDevice failed");
   cublasLtHandle_t handle;
+  void* workspace = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = handles.find(dev);
@@ -81,6 +92,20 @@ ffi::Error Fp8BlockGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
       handles[dev] = handle;
     } else {
       handle = it->second;
+    }
+    auto wt = workspaces.find(dev);
+    if (wt == workspaces.end()) {
+      // The first call may come while XLA captures a graph: allocate outside the capture's rules.
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      cudaError_t e = cudaMalloc(&workspace, kWorkspaceBytes);
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      if (e != cudaSuccess)
+        return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                          std::string("moejax_fp8_block_gemm: workspace: ") + cudaGetErrorString(e));
+      workspaces[dev] = workspace;
+    } else {
+      workspace = wt->second;
     }
   }
   Descriptors ds;
@@ -98,9 +123,6 @@ ffi::Error Fp8BlockGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   LT(cublasLtMatrixLayoutCreate(&ds.a, CUDA_R_8F_E4M3, K, N, K));
   LT(cublasLtMatrixLayoutCreate(&ds.b, CUDA_R_8F_E4M3, K, M, K));
   LT(cublasLtMatrixLayoutCreate(&ds.d, CUDA_R_16BF, N, M, N));
-  auto workspace = scratch.Allocate(kWorkspaceBytes);
-  if (!workspace.has_value())
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "moejax_fp8_block_gemm: no scratch for the workspace");
   cublasLtMatmulAlgo_t algo;
   const auto key = std::make_tuple(dev, M, N, K);
   bool have = false;
@@ -129,7 +151,7 @@ ffi::Error Fp8BlockGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   }
   const float alpha = 1.0f, beta = 0.0f;
   LT(cublasLtMatmul(handle, ds.op, &alpha, w.untyped_data(), ds.a, x.untyped_data(), ds.b, &beta,
-                    y->untyped_data(), ds.d, y->untyped_data(), ds.d, &algo, *workspace, kWorkspaceBytes, stream));
+                    y->untyped_data(), ds.d, y->untyped_data(), ds.d, &algo, workspace, kWorkspaceBytes, stream));
   return ffi::Error::Success();
 }
 
@@ -138,9 +160,9 @@ ffi::Error Fp8BlockGemm(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoejaxFp8BlockGemm, Fp8BlockGemm,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>());
+                                  .Ret<ffi::Buffer<ffi::BF16>>(),
+                              {ffi::Traits::kCmdBufferCompatible});
