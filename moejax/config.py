@@ -1,10 +1,11 @@
 """The engine's configuration: one object, validated in one place, passed down.
 
-``EngineConfig`` holds the model's config (the family's dataclass, from config.json)
-and the choices of the run: dtype, KV cache, scheduler limits, parallel layout and
-kernels, like vLLM's VllmConfig. ``EngineConfig.create`` checks every argument and
-raises a ValueError naming the one that is wrong; ``Model``, ``ModelRunner``,
-``LLMEngine`` and the EPLB balancer all read this object instead of long argument lists.
+``EngineConfig`` holds the model's config (the family's dataclass, from config.json) and the run's
+settings (``args``: moejax/engine_args.py's EngineArgs, where every setting is declared once), with the
+views the engine's layers read: ``cache``, ``scheduler``, ``parallel``, ``fp8``, ``speculative``
+(like vLLM's VllmConfig). ``EngineConfig.create`` checks the settings against the model and raises a
+ValueError naming the one that is wrong; ``Model``, ``ModelRunner``, ``LLMEngine`` and the EPLB
+balancer all read this object instead of long argument lists. ``config.<setting>`` reads any setting.
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ from typing import Any
 
 import jax
 
-from moejax.engine import scheduling_policy as _policy
-from moejax.kernel_selection import KERNEL_MODES, SHARED_FUSION
+from moejax.engine_args import DTYPES, WEIGHT_DTYPES, EngineArgs  # noqa: F401  (DTYPES, WEIGHT_DTYPES: their old home)
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
-from moejax.layers.kv_quant import KV_CACHE_DTYPES
 from moejax.models.deepseek import require_mtp
 from moejax.models.registry import family_of
 from moejax.parallel import ffi_library
@@ -25,36 +24,44 @@ from moejax.parallel.config import ParallelConfig
 from moejax.parallel.dispatch import ExpertParallel
 from moejax.parallel.sharding import AXIS
 
-DTYPES = ("bfloat16", "float32")
-WEIGHT_DTYPES = ("auto", "fp8", "bf16")
 
-
+# The settings each layer reads, by the declaration's names (EngineArgs fields of that ``layer``): filled
+# from the declaration (``_view``), so their values and defaults are never spelled twice.
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = None  # per data-parallel rank; None = fit max_num_seqs x max_model_len in memory
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8" (e4m3 rows with a per-row scale)
-    enable_prefix_caching: bool = True  # reuse the cached blocks of a prompt's longest cached prefix
-    # With num_blocks None on a device that reports its memory: the fraction of it this engine may fill
+    block_size: int  # tokens per KV block
+    num_kv_blocks: int | None  # per data-parallel rank; None = fit max_num_seqs x max_model_len in memory
+    kv_cache_dtype: str  # "auto" (the model dtype) or "fp8" (e4m3 rows with a per-row scale)
+    enable_prefix_caching: bool  # reuse the cached blocks of a prompt's longest cached prefix
+    # With num_kv_blocks None on a device that reports its memory: the fraction of it this engine may fill
     # (weights, cache and a reserve for the step's buffers), as vLLM's --gpu-memory-utilization.
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float
+
+    @property
+    def num_blocks(self) -> int | None:  # the runner's name for it
+        return self.num_kv_blocks
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_model_len: int  # prompt + output tokens of one sequence
-    max_num_seqs: int = 256  # per data-parallel rank
-    max_prefill_tokens: int = 8192  # prompt tokens of one prefill step (longer prompts go in chunks)
+    max_model_len: int  # prompt + output tokens of one sequence (resolved from the model when not given)
+    max_num_seqs: int  # per data-parallel rank
+    max_prefill_tokens: int  # prompt tokens of one prefill step (longer prompts go in chunks)
     # A sequence preempted more often than this is finished with an error instead of being recomputed
     # again (a cache too small for the load could otherwise keep a request from ever finishing).
-    max_preemptions: int = 16
+    max_preemptions: int
     # Build decode step t+1 while step t runs, reading t's tokens one step late. On by default since
     # 2026-12-05: the synchronous loop left the GPU idle for 32% of a 512 x 2048 V3-rank step (host
     # work between steps, benchmarks/2026-12-05d/); speculative steps run synchronously either way.
-    async_scheduling: bool = True
+    async_scheduling: bool
     # When a prefill step may run while sequences decode (moejax/engine/scheduling_policy.py): "prefill-first"
     # (throughput), "interleave:N" or "token-budget:T" (bound the stall of running streams).
-    scheduling_policy: str = _policy.DEFAULT
+    scheduling_policy: str
+
+
+def _view(cls, args: EngineArgs):
+    """A layer's view of the settings: ``cls``'s fields, each the setting of that name."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 SPEC_METHODS = ("mtp", "deepseek_mtp")  # vLLM's names of the MTP drafter ("deepseek_mtp": its older alias)
@@ -99,14 +106,19 @@ class SpeculativeConfig:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: Any  # the family's config dataclass (DeepseekConfig, Step3Config, ...)
+    args: EngineArgs  # every setting (moejax/engine_args.py), max_model_len resolved against the model
     scheduler: SchedulerConfig
-    cache: CacheConfig = CacheConfig()
-    dtype: str = "bfloat16"
+    cache: CacheConfig
     parallel: ParallelConfig | None = None  # None: one device, no mesh
-    kernels: str = "auto"  # "auto" | "pallas" | "xla" (moejax/kernel_selection.py)
     fp8: Fp8Policy = NO_FP8  # which layer types keep FP8 block-scaled weights
-    fuse_shared_experts: str = "auto"  # "auto" | "on" | "off" (kernel_selection.shared_expert_fusion)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+
+    def __getattr__(self, name):
+        """``config.<setting>``: any setting of ``args`` (dtype, kernels, moe_kernel, ...)."""
+        args = self.__dict__.get("args")
+        if args is None or name.startswith("_") or name not in args.names():
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(args, name)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -118,70 +130,32 @@ class EngineConfig:
         return self.model.num_cache_layers if self.speculative else self.model.num_hidden_layers
 
     @classmethod
-    def create(cls, model, *, dtype: str = "bfloat16", parallel: str | ParallelConfig | None = None,
-               max_model_len: int | None = None, max_num_seqs: int = 256, block_size: int = 16,
-               num_kv_blocks: int | None = None, max_prefill_tokens: int = 8192, kv_cache_dtype: str = "auto",
-               kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default",
-               fp8_variant: str = "auto", enable_prefix_caching: bool = True,
-               gpu_memory_utilization: float = 0.9, max_preemptions: int = 16,
-               fuse_shared_experts: str = "auto", async_scheduling: bool = True,
-               scheduling_policy: str = _policy.DEFAULT, speculative_config=None) -> "EngineConfig":
-        """Validates every choice against the model; ``parallel`` is a layout name, a path, or a ParallelConfig.
-
-        ``weight_dtype``: "auto" keeps what the checkpoint has (FP8 layers stay FP8; blocks other than
-        128x128 are re-blocked to 128x128 on load, with a warning giving the measured error), "fp8" also
-        quantises a bf16 checkpoint to 128x128 blocks on load, "bf16" dequantises (the model dtype).
-        ``fp8_layers``: the layer types that run FP8 when weights are FP8 (moejax/layers/fp8_policy.py;
-        "default" or a comma list). ``fp8_variant``: "auto" (on CUDA, W8A8 for expert GEMMs from
-        kernel_selection.MOE_FP8_THRESHOLDS rows an expert, W8A16 elsewhere), "w8a16" or "w8a8".
-        ``gpu_memory_utilization`` (0, 1]: the share of device memory the cache is sized to fill when
-        ``num_kv_blocks`` is None. ``max_preemptions``: how often a sequence may be preempted before
-        it is finished with an error. ``scheduling_policy``: "prefill-first", "interleave:N" or
-        "token-budget:T" (moejax/engine/scheduling_policy.py). ``speculative_config``: None or vLLM's
-        {"method": "mtp", "num_speculative_tokens": k} (SpeculativeConfig)."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        if kernels not in KERNEL_MODES:
-            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
-        if fuse_shared_experts not in SHARED_FUSION:
-            raise ValueError(f"fuse_shared_experts must be one of {SHARED_FUSION}, got {fuse_shared_experts!r}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    def create(cls, model, args: EngineArgs | None = None, **settings) -> "EngineConfig":
+        """The settings (``args``, with ``settings`` on top: moejax/engine_args.py's EngineArgs, which checks
+        each value on its own) checked against ``model``; a ValueError names the setting that is wrong.
+        ``parallel`` may also be a ParallelConfig. Checked here: an FP8 KV cache for the family,
+        max_model_len in [2, max_position_embeddings] (default min(that, 4096)), the FP8 policy against
+        the checkpoint (weight_dtype "auto" keeps an FP8 checkpoint FP8), the layout against the model
+        and platform, speculative_config against the model's MTP layer (SpeculativeConfig)."""
+        args = EngineArgs.create(args, **settings)
         family = family_of(model)
-        if kv_cache_dtype == "fp8" and not family.fp8_kv_cache:
+        if args.kv_cache_dtype == "fp8" and not family.fp8_kv_cache:
             raise ValueError(f"kv_cache_dtype='fp8' is not implemented for the {family.name} family "
                              "(DeepSeek MLA caches only)")
-        for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
-                        ("max_prefill_tokens", max_prefill_tokens)):
-            if not _positive_int(v):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
-        if not isinstance(async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
-        scheduling_policy = _policy.canonical(scheduling_policy)  # ValueError naming it and the options
-        if num_kv_blocks is not None and not _positive_int(num_kv_blocks):
-            raise ValueError(f"num_kv_blocks must be a positive integer or None, got {num_kv_blocks!r}")
-        if (not isinstance(gpu_memory_utilization, (int, float)) or isinstance(gpu_memory_utilization, bool)
-                or not 0 < gpu_memory_utilization <= 1):  # NaN fails the comparison too
-            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
-        if not isinstance(max_preemptions, int) or isinstance(max_preemptions, bool) or max_preemptions < 0:
-            raise ValueError(f"max_preemptions must be a non-negative integer, got {max_preemptions!r}")
+        max_model_len = args.max_model_len
         if max_model_len is None:
             max_model_len = min(model.max_position_embeddings, 4096)
-        if not _positive_int(max_model_len) or not 2 <= max_model_len <= model.max_position_embeddings:
+        if not 2 <= max_model_len <= model.max_position_embeddings:
             raise ValueError(f"max_model_len must be an integer in [2, {model.max_position_embeddings}], "
                              f"got {max_model_len!r}")
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+        args = dataclasses.replace(args, max_model_len=max_model_len)
         # "auto" keeps any FP8 checkpoint FP8. The kernels take 128x128 blocks only: other blocks are
         # re-blocked to 128x128 on load, the error measured and reported (moejax/weights/loader.py).
-        fp8_on = weight_dtype == "fp8" or (weight_dtype == "auto" and model.fp8_block_size is not None)
-        fp8 = Fp8Policy.create(fp8_layers, (128, 128), fp8_variant)  # checked even when unused
+        fp8_on = args.weight_dtype == "fp8" or (args.weight_dtype == "auto" and model.fp8_block_size is not None)
+        fp8 = Fp8Policy.create(args.fp8_layers, (128, 128), args.fp8_variant)
         if not fp8_on:
             fp8 = Fp8Policy(frozenset(), fp8.block, fp8.variant)
-        if isinstance(parallel, str):
-            parallel = ParallelConfig.load(parallel)
+        parallel = ParallelConfig.load(args.parallel) if isinstance(args.parallel, str) else args.parallel
         if parallel is not None:
             if not isinstance(parallel, ParallelConfig):
                 raise ValueError(f"parallel must be a layout name, a path or a ParallelConfig, got {parallel!r}")
@@ -196,13 +170,9 @@ class EngineConfig:
                     ffi_library.require()
                 except ffi_library.FfiUnavailable as e:
                     raise ValueError(str(e)) from None
-        speculative = SpeculativeConfig.parse(speculative_config, model)
-        return cls(model=model, dtype=dtype, parallel=parallel, kernels=kernels, fp8=fp8,
-                   fuse_shared_experts=fuse_shared_experts, speculative=speculative,
-                   scheduler=SchedulerConfig(max_model_len, max_num_seqs, max_prefill_tokens, max_preemptions,
-                                             async_scheduling, scheduling_policy),
-                   cache=CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching,
-                                     float(gpu_memory_utilization)))
+        speculative = SpeculativeConfig.parse(args.speculative_config, model)
+        return cls(model=model, args=args, scheduler=_view(SchedulerConfig, args), cache=_view(CacheConfig, args),
+                   parallel=parallel, fp8=fp8, speculative=speculative)
 
     @property
     def num_ranks(self) -> int:

@@ -12,6 +12,14 @@ Triton kernels, else XLA. "pallas" forces the kernels everywhere; on CPU they
 run in the Pallas interpreter (slow: tests only). ``MOEJAX_PALLAS_INTERPRET=1``
 forces the interpreter on GPU as well (debugging).
 
+The kernel overrides are engine settings (moejax/engine_args.py: ``moe_kernel``, ``w8a8_kernel``,
+``w8a8_dense_kernel``, ``mla_kernel``; ``moejax serve --moe-kernel ...``), carried in EngineConfig and
+read the same way: ``KernelScopedModule`` sets the engine's settings (``kernel_settings``) while the
+step is traced, and each rule below reads its setting (``_override``). A setting left at "auto" falls
+back to its environment variable (``MOEJAX_MOE_KERNEL``, ``MOEJAX_W8A8_KERNEL``,
+``MOEJAX_W8A8_DENSE_KERNEL``, ``MOEJAX_MLA_KERNEL``: for kernel tests and measuring scripts that call
+these functions without an engine), then to the rule.
+
 Block sizes below are the fastest of ``scripts/bench_kernels.py --sweep`` on
 an H200 (BENCHMARKS.md; raw sweeps in benchmarks/). On ROCm they are the same
 shapes with a shallower pipeline (not run: no AMD GPU here).
@@ -32,13 +40,15 @@ import jax.numpy as jnp
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul
 from pallas_kernels.fused_moe import fused_moe
 from pallas_kernels.fused_moe_fp8 import fused_moe_fp8
-from pallas_kernels import compat, cublaslt_fp8_gemm, jax_triton_compat
+from pallas_kernels import compat, cublaslt_fp8_gemm, jax_triton_compat, triton_fp8_dots
 from pallas_kernels.triton_block_fp8 import act_quant_triton, block_fp8_matmul, fused_moe_block_fp8, fused_moe_triton
 from pallas_kernels.triton_mla_decode import triton_mla_decode
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 
 KERNEL_MODES = ("auto", "pallas", "xla")
 _MODE: contextvars.ContextVar[str] = contextvars.ContextVar("moejax_kernels", default="auto")
+# The engine's settings (an EngineArgs, or anything with its kernel fields) while its step is traced.
+_SETTINGS: contextvars.ContextVar[Any] = contextvars.ContextVar("moejax_kernel_settings", default=None)
 
 
 def check_mode(mode: str) -> str:
@@ -61,17 +71,51 @@ def current_mode() -> str:
     return _MODE.get()
 
 
-class KernelScopedModule:
-    """A Flax module whose ``apply`` traces under ``kernel_mode(mode)`` and
-    ``shared_expert_fusion(fuse_shared)``; everything else delegates."""
+@contextlib.contextmanager
+def kernel_settings(settings):
+    """The engine's kernel settings (moe_kernel, w8a8_kernel, ...; moejax/engine_args.py) for everything
+    traced inside the block; None: none (each override then reads its environment variable)."""
+    token = _SETTINGS.set(settings)
+    try:
+        yield
+    finally:
+        _SETTINGS.reset(token)
 
-    def __init__(self, module, mode: str, fuse_shared: str = "auto"):
+
+def _override(name: str, env: str, choices: tuple[str, ...]) -> str:
+    """A kernel override: the engine's setting ``name`` where it is not "auto", else ``$env``, else "auto"."""
+    want = getattr(_SETTINGS.get(), name, "auto")
+    if want not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {want!r}")
+    if want == "auto":
+        want = os.environ.get(env, "auto")
+        if want not in choices:
+            raise ValueError(f"{env} must be one of {choices}, got {want!r}")
+    return want
+
+
+class KernelScopedModule:
+    """A Flax module whose ``apply`` traces under ``kernel_mode(mode)``,
+    ``shared_expert_fusion(fuse_shared)`` and ``kernel_settings(settings)`` (the engine's EngineArgs:
+    its kernel overrides; its ``fp8_fast_accum`` set for the lowering that follows); everything else
+    delegates."""
+
+    def __init__(self, module, mode: str, fuse_shared: str = "auto", settings=None):
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "kernels", check_mode(mode))
         object.__setattr__(self, "fuse_shared", fuse_shared)
+        object.__setattr__(self, "settings", settings)
+
+    @contextlib.contextmanager
+    def scope(self):
+        """What ``apply`` traces under: this engine's kernel choices."""
+        if self.settings is not None:  # a lowering choice of the process (pallas_kernels/triton_fp8_dots.py)
+            triton_fp8_dots.set_fast_accumulation(self.settings.fp8_fast_accum)
+        with kernel_mode(self.kernels), shared_expert_fusion(self.fuse_shared), kernel_settings(self.settings):
+            yield
 
     def apply(self, *args, **kwargs):
-        with kernel_mode(self.kernels), shared_expert_fusion(self.fuse_shared):
+        with self.scope():
             return self._module.apply(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -169,13 +213,12 @@ def moe_kernel() -> str:
     """Which kernel runs the bf16 routed experts on a GPU where ``select_moe`` picks a kernel: "pallas"
     (``fused_moe``, which also takes the shared experts as extra groups) or "triton" (the Triton-language
     ``fused_moe_triton`` through jax-triton; the shared experts then run beside it).
-    ``MOEJAX_MOE_KERNEL=pallas|triton`` forces one ("triton" without jax-triton raises at the first call,
+    The ``moe_kernel`` setting (or ``MOEJAX_MOE_KERNEL``) ``pallas|triton`` forces one ("triton" without
+    jax-triton raises at the first call,
     naming the install). "auto" is Pallas: the Triton kernel measured level with it (H100, V3 EP8-rank share,
     best tiles 1,164 / 1,373 / 4,125 us vs 1,104 / 1,411 / 3,884 us at 16 / 128 / 512 rows an expert; the
     step within noise; benchmarks/2026-12-06c/h100/rG)."""
-    want = os.environ.get(MOE_KERNEL_ENV, "auto")
-    if want not in MOE_KERNELS:
-        raise ValueError(f"{MOE_KERNEL_ENV} must be one of {MOE_KERNELS}, got {want!r}")
+    want = _override("moe_kernel", MOE_KERNEL_ENV, MOE_KERNELS)
     if want != "auto":
         return want
     return "pallas"
@@ -371,11 +414,10 @@ def w8a8_kernel() -> str:
     "pallas" (fused_moe_fp8). Dense W8A8 projections have their own rule (``dense_w8a8_kernel``): the
     Triton dense GEMM measured level with the Pallas one or slower (no split K for few column tiles; H100,
     kv_a at M=128: 113 vs 82 us, o_proj at M=2048: 818 vs 794 us, benchmarks/2026-12-06/h100/call2/kern.txt).
-    ``MOEJAX_W8A8_KERNEL=pallas|triton`` forces one (measuring; "triton" without jax-triton raises at the
+    The ``w8a8_kernel`` setting (or ``MOEJAX_W8A8_KERNEL``) ``pallas|triton`` forces one (measuring;
+    "triton" without jax-triton raises at the
     first call, naming the install)."""
-    want = os.environ.get(W8A8_KERNEL_ENV, "auto")
-    if want not in W8A8_KERNELS:
-        raise ValueError(f"{W8A8_KERNEL_ENV} must be one of {W8A8_KERNELS}, got {want!r}")
+    want = _override("w8a8_kernel", W8A8_KERNEL_ENV, W8A8_KERNELS)
     if want != "auto":
         return want
     return "triton" if platform() in ("cuda", "rocm") and jax_triton_compat.available()[0] else "pallas"
@@ -464,8 +506,9 @@ W8A8_DENSE_KERNELS = ("auto", "pallas", "triton", "cublaslt")
 def dense_w8a8_kernel(rows: int) -> str | None:
     """Which kernel runs a W8A8 dense projection of ``rows`` rows on CUDA, or None (W8A16: the Pallas kernel
     up to 64 rows, XLA's dequantise-then-dot above): DENSE_W8A8_ROWS on the Pallas kernel; above them
-    (prefill) cuBLASLt's block-scaled FP8 GEMM where its library is built. ``MOEJAX_W8A8_DENSE_KERNEL``
-    forces a family for every row count from DENSE_W8A8_ROWS[0]: "pallas" / "triton" (triton_block_fp8's
+    (prefill) cuBLASLt's block-scaled FP8 GEMM where its library is built. The ``w8a8_dense_kernel``
+    setting (or ``MOEJAX_W8A8_DENSE_KERNEL``) forces a family for every row count from DENSE_W8A8_ROWS[0]:
+    "pallas" / "triton" (triton_block_fp8's
     GEMM) within the range, "cublaslt" with no upper bound (without the library it raises at the first
     call, naming the build).
 
@@ -476,9 +519,7 @@ def dense_w8a8_kernel(rows: int) -> str | None:
     2048, rJ/prof.txt) and 256 x 2048 went 7.5 -> 6.9 ms, but the step's wall time at 512 x 2048 was
     16.1 and 17.8 ms in two of three runs (p90 22-27 ms: stalls between ops, not understood) against the
     Pallas kernel's 12.5-12.7 ms: decode keeps Pallas until that is explained."""
-    want = os.environ.get(W8A8_DENSE_KERNEL_ENV, "auto")
-    if want not in W8A8_DENSE_KERNELS:
-        raise ValueError(f"{W8A8_DENSE_KERNEL_ENV} must be one of {W8A8_DENSE_KERNELS}, got {want!r}")
+    want = _override("w8a8_dense_kernel", W8A8_DENSE_KERNEL_ENV, W8A8_DENSE_KERNELS)
     lo, hi = DENSE_W8A8_ROWS
     if rows < lo:
         return None
@@ -503,12 +544,12 @@ def select_mla(batch: int, heads: int, latent: int, rope: int, max_len: int, blo
         return Choice("xla", reason="mode or platform")
     if not forced and not (_triton_dim(latent) and _triton_dim(rope) and heads >= 1):
         return Choice("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
-    if rows > 1 and (forced or _fp8(cache_dtype) and heads < 64) and \
-            mla_kernel(heads, latent, rope, cache_dtype, rows) == "triton":
-        return Choice("triton", dict(_triton_mla_params(batch, heads * rows, max_len), rows=rows),
+    fp8 = _fp8(cache_dtype)
+    if rows > 1 and (forced or fp8) and mla_kernel(heads, latent, rope, cache_dtype, rows) == "triton":
+        return Choice("triton", dict(_triton_mla_params(batch, heads * rows, max_len, fp8), rows=rows),
                       "forced" if forced else "gpu")
     if mla_kernel(heads, latent, rope, cache_dtype) == "triton":
-        return Choice("triton", _triton_mla_params(batch, heads, max_len), "forced" if forced else "gpu")
+        return Choice("triton", _triton_mla_params(batch, heads, max_len, fp8), "forced" if forced else "gpu")
     if not forced and _slow_fp8(heads, cache_dtype):
         return Choice("xla", reason=_slow_fp8.__doc__)
     p = _paged_decode_params(batch, heads, max_len, block_size, cache_dtype)
@@ -521,37 +562,37 @@ MLA_KERNELS = ("auto", "pallas", "triton")
 
 def mla_kernel(heads: int, latent: int, rope: int, cache_dtype, rows: int = 1) -> str:
     """Which kernel runs MLA decode on a GPU: "triton" (triton_mla_decode, the Triton language through
-    jax-triton: 64-head programs on wgmma with pipelined cache tiles, up to 216 KB of shared memory, so
-    NVIDIA Hopper only) for 64+ heads over an FP8 cache on CUDA where jax-triton is installed, else
-    "pallas" (paged_decode_attention, or XLA where that is slower). H100, 128 heads x 512 sequences x
-    2048 (benchmarks/2026-12-06b/h100/rC/mla*.txt): FP8 cache Triton 2.12 ms, XLA 3.84, Pallas' page
-    tile 6.94; bf16 cache Triton 1.54 ms, Pallas' gather tile 1.40 (and 0.83 vs 0.75 at 256 sequences):
-    bf16 stays on Pallas. ROCm's 64 KB of LDS cannot hold the Triton kernel's tiles.
-    Several query rows a sequence (``rows`` > 1, the verify): the rows together in Triton (the one kernel
-    that reads a sequence's context once for all its rows) over an FP8 cache below 64 heads.
-    ``MOEJAX_MLA_KERNEL=pallas|triton`` forces one (measuring)."""
-    want = os.environ.get(MLA_KERNEL_ENV, "auto")
-    if want not in MLA_KERNELS:
-        raise ValueError(f"{MLA_KERNEL_ENV} must be one of {MLA_KERNELS}, got {want!r}")
+    jax-triton: programs of 64 (query row, head) pairs on wgmma with pipelined cache tiles, up to 216 KB of
+    shared memory, so NVIDIA Hopper only) over an FP8 cache on CUDA where jax-triton is installed, else
+    "pallas" (paged_decode_attention, or XLA where that is slower). H100, x 2048 context
+    (benchmarks/2026-12-06e/h100/r1/mla*.txt): FP8 cache, 128 heads x 512: Triton 1.91 ms, XLA 3.73,
+    Pallas' page tile 6.74; 16 heads x 256: Triton 0.46 ms, Pallas 0.57; bf16 cache, 128 heads: Triton
+    0.60 / 1.31 ms at 197 / 512 sequences, Pallas' gather tile 0.58 / 1.34; 16 heads: Pallas 0.32, Triton
+    0.34: bf16 stays on Pallas. ROCm's 64 KB of LDS cannot hold the Triton kernel's tiles.
+    Several query rows a sequence (``rows`` > 1, the verify) over an FP8 cache: the rows together in the
+    Triton kernel (it reads a sequence's context once for all its rows; below 64 heads 1.5-2.1x the
+    per-row kernels, at 128 heads 0.96-1.0x, benchmarks/2026-12-06d/h100/r1/rows.txt).
+    The ``mla_kernel`` setting (or ``MOEJAX_MLA_KERNEL``) ``pallas|triton`` forces one (measuring)."""
+    want = _override("mla_kernel", MLA_KERNEL_ENV, MLA_KERNELS)
     if want != "auto":
         return want
-    # Rows together pay over an FP8 cache below 64 heads (16 heads, 2-4 rows: 1.5-2.1x the per-row kernels);
-    # elsewhere they measured 0.96-1.0x (H100, benchmarks/2026-12-06d/h100/r1/rows.txt): per-row there.
-    wide = (rows > 1 and heads < 64 and _fp8(cache_dtype)) or (heads >= 64 and _fp8(cache_dtype))
-    ok = platform() == "cuda" and wide and _triton_dim(latent) and _triton_dim(rope)
+    ok = platform() == "cuda" and _fp8(cache_dtype) and _triton_dim(latent) and _triton_dim(rope)
     return "triton" if ok and jax_triton_compat.available()[0] else "pallas"
 
 
-def _triton_mla_params(batch: int, heads: int, max_len: int) -> dict:
-    """Tiling of triton_mla_decode: 64 heads a program (one wgmma M tile, two warpgroups splitting the
-    [64, 512] accumulator), 64 tokens a step, 2 stages (FP8 cache: 2.12 ms vs 2.79 with 32 tokens, H100,
-    512 x 2048; bf16: two [64, 576] cache tiles and the queries, 216 KB of shared memory, no spills);
-    context splits until the programs fill the GPU, each split >= 256 tokens."""
+def _triton_mla_params(batch: int, heads: int, max_len: int, fp8: bool = False) -> dict:
+    """Tiling of triton_mla_decode: 64 (query row, head) pairs a program (one wgmma M tile, two warpgroups
+    splitting the [64, 512] accumulator; fewer heads: the next power of two from 16, 4 warps); context
+    splits until the programs fill the GPU, each split >= 256 tokens. Tokens a step and stages from the
+    H100 sweep (benchmarks/2026-12-06e/h100/r1/mla*.txt): 64 tokens; an FP8 cache at 64 heads one stage
+    (its rows widened in registers: 1.91 vs 2.03 ms with two, 128 heads x 512 x 2048), below 64 heads 32
+    tokens in two stages (0.46 vs 0.49 ms, 16 heads x 256); bf16 three stages (1.31 vs 1.47 ms with two)."""
     block_h = 64 if heads >= 64 else max(16, 1 << (heads - 1).bit_length())  # heads: query rows x heads
     programs = batch * -(-heads // block_h)
     num_splits = max(1, min(max(1, max_len // 256), -(-num_compute_units() // max(programs, 1)), 16))
-    return dict(block_h=block_h, block_n=64, num_splits=num_splits, num_warps=8 if block_h >= 64 else 4,
-                num_stages=2)
+    block_n, stages = (64, 1) if fp8 and block_h >= 64 else (32, 2) if fp8 else (64, 3)
+    return dict(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=8 if block_h >= 64 else 4,
+                num_stages=stages)
 
 
 def _fp8(cache_dtype) -> bool:

@@ -15,6 +15,7 @@ import numpy as np
 
 from moejax import compilation
 from moejax.config import EngineConfig
+from moejax.engine_args import LOAD_FORMATS, EngineArgs, with_settings
 from moejax.engine.llm_engine import LLMEngine
 from moejax.engine.model_runner import ModelRunner
 from jax.sharding import NamedSharding
@@ -42,8 +43,6 @@ MARKER = "moejax.json"  # present in directories written by moejax.save
 # num_nextn_predict_layers says whether they were saved: saves from before MTP was loaded hold none.)
 FORMAT_VERSION = 2
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-# auto: the checkpoint's weights; dummy: random weights of its shapes, made on the device (vLLM's --load-format dummy).
-LOAD_FORMATS = ("auto", "dummy")
 
 
 class ParamPlacer:
@@ -117,7 +116,7 @@ class Model:
         self.routing = put_replicated(routing_tree(self.placements, 1 + config.num_redundant_experts), self.mesh)
         # Pallas or XLA kernels, picked at trace time (moejax/kernel_selection.py).
         self.module = KernelScopedModule(build_module(config.model, config.dtype, config.expert_parallel, config.fp8),
-                                         config.kernels, config.fuse_shared_experts)
+                                         config.kernels, config.fuse_shared_experts, settings=config.args)
         self._engine = None
 
     # Short names for what callers read most.
@@ -128,7 +127,8 @@ class Model:
     @property
     def engine(self) -> LLMEngine:
         if self._engine is None:
-            runner = ModelRunner(self.config, self.module, self.params, self.routing, self.mesh)
+            with self.module.scope():  # the runner plans its buckets from the kernels these settings choose
+                runner = ModelRunner(self.config, self.module, self.params, self.routing, self.mesh)
             balancer = ExpertLoadBalancer(self.config, runner, self.placements)
             cfg_eos = self.config.model.eos_token_ids
             eos = cfg_eos or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
@@ -205,99 +205,52 @@ def tokenizer_source(path: str, load_format: str = "auto") -> str:
     return path
 
 
-def load(path: str, dtype: str = "bfloat16", *, parallel: str | None = None, max_model_len: int | None = None,
-         max_num_seqs: int = 256, block_size: int = 16, num_kv_blocks: int | None = None,
-         max_prefill_tokens: int = 8192, progress: bool = True, kv_cache_dtype: str = "auto",
-         kernels: str = "auto", weight_dtype: str = "auto", fp8_layers="default", fp8_variant: str = "auto",
-         enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
-         max_preemptions: int = 16, fuse_shared_experts: str = "auto", async_scheduling: bool = True,
-         scheduling_policy: str = "prefill-first", load_format: str = "auto", precompile: bool = False,
-         compilation_cache_dir: str | None = None, speculative_config: dict | None = None) -> Model:
+@with_settings
+def load(path: str, *, progress: bool = True, **settings) -> Model:
     """Loads an HF checkpoint directory of a registered family (DeepSeek-V2/V3, Step3), or one
-    written by ``moejax.save``.
+    written by ``moejax.save``; ``progress``: a progress bar while the weights load.
 
-    ``load_format``: "auto" (the checkpoint's weights) or "dummy": RANDOM weights made on the device at
-    the model's real shapes, for benchmarks and tests without the checkpoint (vLLM's ``--load-format
-    dummy``). ``path`` is then a directory holding a config.json (its tokenizer files used if present)
-    or a preset name (moejax/tiny/presets.py: "deepseek-v3", "deepseek-v2-lite", "step3", "v3-tiny",
-    ...); without tokenizer files the tiny byte-level tokenizer is used (260 tokens: prompts of token
-    ids reach the whole vocabulary). Every other argument applies as with a checkpoint (FP8 leaves
-    under weight_dtype="fp8", the parallel layout's shards made on their own devices, ...).
+    ``settings``: the engine's settings, declared in moejax/engine_args.py (``EngineArgs``; listed
+    below with their defaults), the same as ``moejax serve``'s flags. An unknown keyword is a
+    ValueError naming it; each value is checked by the declaration, then against the model by
+    ``EngineConfig.create`` (moejax/config.py), a ValueError naming the setting that is wrong.
 
-    ``parallel`` names a layout ("dp8-ep8": DP attention + EP experts over 8 devices, any N; or a
-    layout shipped in configs/) or a path to one; without it the model runs on one device.
-    max_num_seqs and num_kv_blocks are per data-parallel rank. ``kv_cache_dtype``: "auto" (the
-    model dtype) or "fp8" (e4m3 rows with a per-row scale, DeepSeek MLA only). ``kernels``:
-    "auto" (Pallas on GPU, XLA on CPU), "pallas" or "xla". ``weight_dtype``: "auto" (an FP8
-    checkpoint stays FP8 on the device, scales beside it), "fp8" (also quantises a bf16 checkpoint
-    to 128x128 blocks, like ``vllm --quantization fp8``) or "bf16" (dequantise); ``fp8_layers``
-    which layer types run FP8 ("default": experts, shared experts, dense MLPs, attention
-    projections; or a comma list, moejax/layers/fp8_policy.py); ``fp8_variant`` "auto" | "w8a16" | "w8a8"
-    (kernel_selection.fp8_variant).
-    ``max_prefill_tokens`` bounds one prefill step (longer prompts are prefilled in chunks);
-    ``enable_prefix_caching`` reuses the KV blocks of a prompt's longest cached prefix.
-    ``gpu_memory_utilization`` (0, 1]: without ``num_kv_blocks``, the cache fills what is left of this
-    share of the device's memory after the weights (and a 2 GiB reserve); on CPU the cache is 2 GiB
-    at most. ``max_preemptions``: a sequence preempted more often is finished with an error.
-    ``fuse_shared_experts``: "auto" (shared experts inside the routed-expert kernel where the Pallas
-    fused MoE runs), "on" or "off" (moejax/kernel_selection.py ``shared_expert_fusion``).
-    ``async_scheduling`` builds each decode step while the one before it runs (its tokens read one
-    step late; the same tokens as with it off: moejax/engine/llm_engine.py); on by default (the
-    synchronous loop leaves the device idle while the host builds each step, docs/architecture.md).
-    ``speculative_config``: speculative decoding as vLLM's, {"method": "mtp", "num_speculative_tokens": k}: the
-    checkpoint's MTP layer drafts k tokens a step and the model verifies them in one step (greedy output is
-    the same, sampled output the same distribution and, seeded, the same tokens: moejax/engine/speculative.py).
-    ``precompile``: compile every program the engine can run for this configuration now (the decode,
-    prefill and sampling buckets: moejax/engine/buckets.py) instead of on first use, so no later call
-    compiles (the server always does). ``compilation_cache_dir``: JAX's persistent compilation cache,
-    on by default (``$MOEJAX_COMPILATION_CACHE_DIR``, else ``~/.cache/moejax/jax`` on a GPU, off on CPU; "off" disables it:
-    moejax/compilation.py), so a second run of the same configuration loads its programs.
-    Every argument is checked by ``EngineConfig.create`` (moejax/config.py).
+    ``load_format="dummy"``: RANDOM weights made on the device at the model's real shapes, for
+    benchmarks and tests without the checkpoint; ``path`` is then a directory holding a config.json
+    (its tokenizer files used if present) or a preset name (moejax/tiny/presets.py); without tokenizer
+    files the tiny byte-level tokenizer is used (260 tokens: prompts of token ids reach the whole
+    vocabulary). Every other setting applies as with a checkpoint.
+    ``parallel``: without it the model runs on one device; max_num_seqs and num_kv_blocks are per
+    data-parallel rank.
     """
-    if not isinstance(precompile, bool):
-        raise ValueError(f"precompile must be True or False, got {precompile!r}")
-    if compilation_cache_dir is not None and not isinstance(compilation_cache_dir, str):
-        raise ValueError(f"compilation_cache_dir must be a path, 'off' or None, got {compilation_cache_dir!r}")
-    compilation.enable_persistent_cache(compilation_cache_dir)
-    model = _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv_blocks, max_prefill_tokens,
-                  progress, kv_cache_dtype, kernels, weight_dtype, fp8_layers, fp8_variant, enable_prefix_caching,
-                  gpu_memory_utilization, max_preemptions, fuse_shared_experts, async_scheduling, scheduling_policy,
-                  load_format, speculative_config)
-    if precompile:
+    args = EngineArgs.create(**settings)
+    compilation.enable_persistent_cache(args.compilation_cache_dir)
+    model = _load(path, args, progress)
+    if args.precompile:
         model.engine.precompile(progress)
     return model
 
 
-def _load(path, dtype, parallel, max_model_len, max_num_seqs, block_size, num_kv_blocks, max_prefill_tokens,
-          progress, kv_cache_dtype, kernels, weight_dtype, fp8_layers, fp8_variant, enable_prefix_caching,
-          gpu_memory_utilization, max_preemptions, fuse_shared_experts, async_scheduling, scheduling_policy,
-          load_format, speculative_config=None) -> Model:
-    _check_load_format(load_format)
-    if load_format == "dummy":
+def _load(path, args: EngineArgs, progress: bool) -> Model:
+    _check_load_format(args.load_format)
+    if args.load_format == "dummy":
         hf_config = _dummy_config(path)
     elif not isinstance(path, str) or not os.path.isdir(path):
         raise ValueError(f"path {path!r} is not a directory")
-    if processes.initialize_from_env() and parallel is None:  # a job of python -m moejax.launch: joined
+    if processes.initialize_from_env() and args.parallel is None:  # a job of python -m moejax.launch: joined
         raise ValueError(f"parallel: this is one of {processes.count()} processes; name a layout whose mesh spans "
                          "them (e.g. dp8-ep8), or run one process")
-    if load_format == "auto":
+    if args.load_format == "auto":
         cfg_path = os.path.join(path, "config.json")
         if not os.path.exists(cfg_path):
             raise ValueError(f"{path} has no config.json")
         hf_config = load_json_file(cfg_path, "config.json")
         if not os.path.exists(os.path.join(path, MARKER)):
             hf_config = _fit_to_checkpoint(path, hf_config)
-    config = EngineConfig.create(parse_model_config(hf_config), dtype=dtype, parallel=parallel,
-                                 max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=block_size,
-                                 num_kv_blocks=num_kv_blocks, max_prefill_tokens=max_prefill_tokens,
-                                 kv_cache_dtype=kv_cache_dtype, kernels=kernels, weight_dtype=weight_dtype,
-                                 fp8_layers=fp8_layers, fp8_variant=fp8_variant,
-                                 enable_prefix_caching=enable_prefix_caching,
-                                 gpu_memory_utilization=gpu_memory_utilization, max_preemptions=max_preemptions,
-                                 fuse_shared_experts=fuse_shared_experts, async_scheduling=async_scheduling,
-                                 scheduling_policy=scheduling_policy, speculative_config=speculative_config)
-    if load_format == "dummy":
+    config = EngineConfig.create(parse_model_config(hf_config), args)
+    if args.load_format == "dummy":
         return random_weights_model(config, hf_config, source_dir=path, tokenizer_dir=tokenizer_source(path, "dummy"))
+    dtype = config.dtype
     placer = ParamPlacer(config)
     marker = os.path.join(path, MARKER)
     reblock, reblock_error = ReblockStats(), None

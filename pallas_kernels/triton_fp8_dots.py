@@ -13,13 +13,14 @@ Measured on an H100 (same run, fp8_probe.txt): the W8A8 fused MoE at 128 rows an
 (bf16 kernel 1489 us); block_scaled_matmul W8A8 at M=2048, N=K=7168 1051 -> 656 us.
 
 ``install()`` wraps the lowering's ``tt_dialect.dot`` once per process so FP8-operand dots get the
-attribute (other dots unchanged). ``MOEJAX_FP8_FAST_ACC=0`` leaves the lowering alone. A jax whose
-lowering has no such hook is left alone with a warning: the kernels stay correct, only slower.
+attribute (other dots unchanged). ``set_fast_accumulation(False)`` (the engine setting
+``fp8_fast_accum``: ``moejax serve --no-fp8-fast-accum``, moejax/engine_args.py) leaves the dots of the
+kernels lowered after it alone. A jax whose lowering has no such hook is left alone with a warning: the
+kernels stay correct, only slower.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 
 try:  # jax's Pallas-Triton lowering: private, its layout may change between releases
@@ -30,8 +31,17 @@ except ImportError as e:  # pragma: no cover
     _import_error = e
 
 FAST_ACC = 1 << 30  # Triton's sm_90 default for FP8 dots
-ENV = "MOEJAX_FP8_FAST_ACC"
 _installed: bool | None = None
+# Read as each kernel is lowered: a choice of the process (the engine sets it while its step is traced,
+# moejax/kernel_selection.py KernelScopedModule; lowering follows the trace, possibly in another thread).
+_fast = True
+
+
+def set_fast_accumulation(on: bool) -> bool:
+    """Whether FP8 dots lowered from now on take fast accumulation; returns the previous choice."""
+    global _fast
+    previous, _fast = _fast, bool(on)
+    return previous
 
 
 def _is_fp8(value) -> bool:
@@ -42,13 +52,11 @@ def _is_fp8(value) -> bool:
 
 
 def install() -> bool:
-    """Makes Pallas-Triton's FP8 dots use fast (tensor-core) accumulation; True when in effect."""
+    """Makes Pallas-Triton's FP8 dots use fast (tensor-core) accumulation (while ``set_fast_accumulation``
+    leaves it on, the default); True when the hook is in place."""
     global _installed
     if _installed is not None:
         return _installed
-    if os.environ.get(ENV, "1") in ("0", "false", "off"):
-        _installed = False
-        return False
     try:
         if lowering is None:
             raise _import_error
@@ -60,7 +68,7 @@ def install() -> bool:
         return False
 
     def dot(a, b, c, *args, max_num_imprecise_acc=None, **kwargs):
-        if max_num_imprecise_acc is None and _is_fp8(a) and _is_fp8(b):
+        if max_num_imprecise_acc is None and _fast and _is_fp8(a) and _is_fp8(b):
             max_num_imprecise_acc = FAST_ACC
         return orig(a, b, c, *args, max_num_imprecise_acc=max_num_imprecise_acc, **kwargs)
 

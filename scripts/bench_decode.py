@@ -41,10 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.benchmark.decode_setup import (  # noqa: F401  (also this script's names: tests and callers use them)
-    bench_hf_config, build_decode_batch, capture_decode_args, fill_without_prefill, step_floor, weight_kw)
+    add_engine_flags, bench_hf_config, build_decode_batch, capture_decode_args, engine_settings, fill_without_prefill,
+    step_floor, weight_kw)
 from moejax.benchmark.ep import time_dispatch
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call
-from moejax.kernel_selection import kernel_mode
+from moejax.engine_args import EngineArgs
+from moejax.kernel_selection import kernel_mode, kernel_settings
 from moejax.layers.experts import ExpertWeights, grouped_expert_mlp
 from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention
 from moejax.config import EngineConfig
@@ -69,7 +71,7 @@ def time_components(cfg, a, ctx, layout: str = "none"):
     bs = 16
     nb = -(-ctx // bs)
     out = {}
-    with kernel_mode(a.kernels):
+    with kernel_mode(a.kernels), kernel_settings(EngineArgs.create(**engine_settings(a))):
         if hasattr(cfg, "kv_lora_rank"):
             C, R, nh = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
             cache = (0.1 * jax.random.normal(key, (B * nb * bs, C + R))).astype(jnp.bfloat16)
@@ -244,7 +246,6 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--parallel", default="none", help="comma list: none (plain path) and/or configs, e.g. none,dp1-ep1")
     ap.add_argument("--kernels", default="xla", help="comma list of auto / pallas / xla (one run each)")
     ap.add_argument("--fill", choices=["prefill", "random"], default="prefill",
@@ -256,7 +257,6 @@ def main(argv=None):
     ap.add_argument("--weight-dtype", default="bf16",
                     help="comma list of bf16 / fp8 (128x128 block-scaled weights; one run each, floors from each's "
                          "bytes) / fp8:<layer types joined by +> (only those FP8, e.g. fp8:experts+shared_experts)")
-    ap.add_argument("--fp8-variant", choices=["auto", "w8a16", "w8a8"], default="auto")
     ap.add_argument("--components", action="store_true", help="also time attention and MoE alone at the step's shapes")
     ap.add_argument("--peer", action="store_true", help="also run HF transformers (PyTorch) at the same batch and lengths")
     ap.add_argument("--loop", choices=["async", "sync"], default="async",
@@ -265,6 +265,7 @@ def main(argv=None):
                     help="instead of the variants: the engine's step time with the synchronous and the overlapped "
                          "(async scheduling) loop against the compiled step alone (first kernels/parallel/weights)")
     ap.add_argument("--json", default=None)
+    add_engine_flags(ap)  # --dtype, --fp8-variant, --moe-kernel, --mla-kernel, ... (moejax/engine_args.py)
     a = ap.parse_args(argv)
     try:
         concs = [int(c) for c in a.concurrency.split(",")]

@@ -28,7 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moejax.benchmark.decode_setup import bench_hf_config, fill_without_prefill  # noqa: E402
+from moejax.benchmark.decode_setup import (add_engine_flags, bench_hf_config, engine_settings,  # noqa: E402
+                                           fill_without_prefill)
 from moejax.config import EngineConfig  # noqa: E402
 from moejax.engine.sampling_params import SamplingParams  # noqa: E402
 from moejax.models.registry import parse_model_config  # noqa: E402
@@ -47,9 +48,9 @@ def time_point(hf, params, a, batch: int, k: int) -> dict:
     """Engine decode step times at (batch, k): the batch filled at --input-len, steps that compiled not timed."""
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     max_len = a.input_len + a.warmup + a.steps + 2 * (k + 1) + 16
-    m = random_model(hf, a.dtype, kernels=a.kernels, params=params, max_model_len=max_len, max_num_seqs=batch,
-                     num_kv_blocks=batch * -(-max_len // 16) + batch * (k + 1), speculative_config=spec,
-                     kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype])
+    m = random_model(hf, **engine_settings(a), kernels=a.kernels, params=params, max_model_len=max_len,
+                     max_num_seqs=batch, num_kv_blocks=batch * -(-max_len // 16) + batch * (k + 1),
+                     speculative_config=spec, kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype])
     eng = m.engine
     rng = np.random.default_rng(0)
     seqs = [eng.add_request(rng.integers(2, m.config.model.vocab_size, size=a.input_len).tolist(),
@@ -90,11 +91,11 @@ def main(argv=None):
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--acceptance", default="0.6,0.8,0.9", help="per-position acceptance rates to project")
     ap.add_argument("--json", default=None)
+    add_engine_flags(ap)  # --dtype, --moe-kernel, --mla-kernel, --fp8-fast-accum, ... (moejax/engine_args.py)
     a = ap.parse_args(argv)
     a.acceptance = [float(x) for x in a.acceptance.split(",")]
     if a.project:

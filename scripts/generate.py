@@ -8,6 +8,7 @@ DeepSeek-V3-architecture model with RANDOM weights, built on the spot (its text 
   python -m moejax.launch --nproc 8 -- scripts/generate.py --model /path/to/DeepSeek-V3 --parallel dp8-ep8
 
 Several processes (python -m moejax.launch): every process generates the same, process 0 prints.
+Every engine setting is a flag (moejax/engine_args.py: --dtype, --max-model-len, --parallel, --kernels, ...).
 """
 
 import argparse
@@ -16,23 +17,19 @@ import time
 import jax
 
 import moejax
+from moejax.engine_args import EngineArgs
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF checkpoint directory (default: the tiny random model)")
-    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                    help="dummy: RANDOM weights made on the device at the model's shapes; --model is then a "
-                         "directory holding a config.json or a preset name (deepseek-v3, deepseek-v2-lite, ...)")
     ap.add_argument("--prompt", action="append", help="may be repeated (default: three sample prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--parallel", default=None, help="a parallel layout: dp{N}-ep{N} (e.g. dp8-ep8), a layout shipped in configs/, or a path to a .yaml")
+    EngineArgs.add_cli_args(ap)
     a = ap.parse_args(argv)
 
     path = a.model
@@ -43,8 +40,7 @@ def main(argv=None):
               f"({path}); expect gibberish.")
     elif a.load_format == "dummy":
         print(f"--load-format dummy: {path!r} with RANDOM weights (not read from any checkpoint); expect gibberish.")
-    model = moejax.load(path, dtype=a.dtype, max_model_len=a.max_model_len, parallel=a.parallel,
-                        load_format=a.load_format)
+    model = moejax.load(path, **EngineArgs.from_cli_args(a).kwargs())
     prompts = a.prompt or ["The capital of France is", "def fibonacci(n):", "Mixture-of-Experts models"]
     t0 = time.perf_counter()
     results = moejax.generate(model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature,

@@ -51,8 +51,8 @@ if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from moejax.benchmark.decode_setup import (bench_hf_config, build_decode_batch, capture_step_programs, step_floor,
-                                            weight_kw)
+from moejax.benchmark.decode_setup import (add_engine_flags, bench_hf_config, build_decode_batch,
+                                            capture_step_programs, step_floor, weight_kw)
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate
 from moejax.config import EngineConfig
 from moejax.models.registry import parse_model_config
@@ -701,17 +701,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=10, help="profiled steps (the table is per step)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", default="xla", help="auto / pallas / xla")
     ap.add_argument("--fill", choices=["prefill", "random"], default="random",
                     help="how the batch's cache is filled before the steps (bench_decode --fill)")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--weight-dtype", default="bf16", help="bf16 / fp8 / fp8:<layer types joined by +>")
-    ap.add_argument("--fp8-variant", choices=["auto", "w8a16", "w8a8"], default="auto")
     ap.add_argument("--trace-dir", default=None, help="keep the trace here (Perfetto / TensorBoard)")
     ap.add_argument("--top", type=int, default=25, help="rows of the per-op table")
     ap.add_argument("--json", default=None, help="write the tables (every op) and the step's numbers here")
     ap.add_argument("--csv", default=None, help="write the per-op table (every op) here")
+    add_engine_flags(ap)  # --dtype, --fp8-variant, --moe-kernel, --mla-kernel, ... (moejax/engine_args.py)
     a = ap.parse_args(argv)
     if a.concurrency < 1 or a.steps < 1:
         raise SystemExit("--concurrency and --steps must be positive")

@@ -200,8 +200,8 @@ def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, 
 
 
 def test_fp8_selection_on_gpu(monkeypatch):
-    """auto on a GPU: an FP8 cache with 64+ heads stays on XLA (the page tile timed slower there),
-    16 heads take the page tile; bf16 takes the gather tile; "pallas" still forces the kernel."""
+    """auto on a GPU without jax-triton: an FP8 cache with 64+ heads stays on XLA (the page tile timed
+    slower there), 16 heads take the page tile; bf16 takes the gather tile; "pallas" still forces the kernel."""
     from moejax import kernel_selection as selection
     from moejax.kernel_selection import select_mfa
     FP8 = jnp.float8_e4m3fn
@@ -212,13 +212,15 @@ def test_fp8_selection_on_gpu(monkeypatch):
         assert select_mfa(256, 64, 256, 1, 4096, 16, FP8).impl == "xla"
         assert select_mla(256, 16, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
         assert select_mla(256, 128, 512, 64, 2048, 16, BF16).params["tile"] == "gather"
-        # with jax-triton: the Triton kernel for 64+ heads over an FP8 cache (CUDA only; XLA before),
+        # with jax-triton: the Triton kernel over an FP8 cache (CUDA only; XLA / Pallas' page tile before),
         # the Pallas kernels otherwise (bf16 caches: Pallas' gather tile timed faster)
         monkeypatch.setattr(selection.jax_triton_compat, "available", lambda: (True, ""))
         c = select_mla(512, 128, 512, 64, 2048, 16, FP8)
         assert c.impl == "triton" and c.params["block_h"] == 64 and c.params["num_splits"] == 1
+        assert c.params["num_stages"] == 1  # FP8 rows widened in registers: one stage timed faster
         assert select_mla(8, 128, 512, 64, 2048, 16, FP8).params["num_splits"] > 1  # splits fill the GPU
-        assert select_mla(256, 16, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
+        c = select_mla(256, 16, 512, 64, 2048, 16, FP8)
+        assert c.impl == "triton" and (c.params["block_h"], c.params["block_n"], c.params["num_warps"]) == (16, 32, 4)
         assert select_mla(512, 128, 512, 64, 2048, 16, BF16).params["tile"] == "gather"
         monkeypatch.setenv(selection.MLA_KERNEL_ENV, "pallas")
         assert select_mla(512, 128, 512, 64, 2048, 16, FP8).impl == "xla"

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import EngineConfig
+from moejax.engine_args import EngineArgs
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.sequence import Status
 from moejax.layers.fp8_policy import NO_FP8
@@ -24,6 +25,26 @@ from moejax.tiny.random_model import random_device_params, random_model
 from moejax.weights.param_tree import flatten, is_stacked_expert
 
 _PARAMS: dict = {}  # weights generated once per process, shared by the runs
+
+# The engine settings the decode benchmarks set themselves: swept by their own flags (--parallel, --kernels,
+# --weight-dtype are comma lists, one run each; --kv-dtype; --loop), sized from the point (the batch's
+# lengths and blocks), or moejax.load's alone. Every other setting is a flag from its declaration
+# (moejax/engine_args.py: --dtype, --fp8-variant, --moe-kernel, --mla-kernel, --max-prefill-tokens, ...).
+OWN_SETTINGS = ("parallel", "kernels", "weight_dtype", "fp8_layers", "kv_cache_dtype", "max_model_len",
+                "max_num_seqs", "num_kv_blocks", "block_size", "async_scheduling", "speculative_config",
+                "load_format", "precompile", "compilation_cache_dir")
+
+
+def add_engine_flags(ap) -> None:
+    """The engine settings' flags a decode benchmark takes (all but OWN_SETTINGS)."""
+    EngineArgs.add_cli_args(ap, exclude=OWN_SETTINGS)
+
+
+def engine_settings(a) -> dict:
+    """The engine settings of a benchmark's parsed command line (all but OWN_SETTINGS: their defaults where
+    ``a`` lacks a flag), as random_model / EngineConfig.create keywords."""
+    args = EngineArgs.from_cli_args(a, exclude=OWN_SETTINGS)
+    return {k: v for k, v in args.kwargs().items() if k not in OWN_SETTINGS}
 
 # The engine's jitted programs one decode step may call (ModelRunner attributes): the step, the
 # sampler over its logits, and the on-device gather of the previous step's tokens (async scheduling).
@@ -109,7 +130,8 @@ def build_decode_batch(hf, parallel, kernels, a, weight_dtype="bf16", async_sche
     """The engine at the point, its batch admitted and prefilled (``a.fill``: "prefill" runs the real
     prefill, "random" fills the cache without it), ready for decode steps. ``a`` carries dtype,
     fp8_variant, kv_dtype ("bf16" / "fp8"), concurrency (over the node), input_len, output_len, fill.
-    Weights are generated once per weight format and reused. Returns (model, engine, sequences)."""
+    Weights are generated once per weight format and reused; every other engine setting from ``a``
+    (``engine_settings``). Returns (model, engine, sequences)."""
     if weight_dtype not in _PARAMS:
         _PARAMS.clear()  # one weight format's weights on the device at a time
         gc.collect()
@@ -118,8 +140,8 @@ def build_decode_batch(hf, parallel, kernels, a, weight_dtype="bf16", async_sche
         _PARAMS[weight_dtype] = random_device_params(cfg, a.dtype, fp8=fp8)
     ranks = 1 if parallel == "none" else ParallelConfig.load(parallel).num_ranks
     per_rank = -(-a.concurrency // ranks)  # --concurrency is over the node; sizes below are per rank
-    m = random_model(hf, a.dtype, parallel=None if parallel == "none" else parallel, kernels=kernels,
-                     params=_PARAMS[weight_dtype], **weight_kw(weight_dtype), fp8_variant=a.fp8_variant,
+    m = random_model(hf, parallel=None if parallel == "none" else parallel, kernels=kernels,
+                     params=_PARAMS[weight_dtype], **weight_kw(weight_dtype), **engine_settings(a),
                      kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype],
                      max_model_len=a.input_len + a.output_len + 16, max_num_seqs=per_rank,
                      num_kv_blocks=per_rank * (-(-(a.input_len + a.output_len + 16) // 16)),
