@@ -112,6 +112,23 @@ def _feed(prev, rows, host):
     return jnp.where(rows >= 0, jnp.take_along_axis(prev, jnp.maximum(rows, 0), axis=1), host)
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program of the precompiled set: a jitted function and the arguments (abstract or host zeros of
+    the right shapes) it will be called with; ``sample_rows``: a model step's logits rows (the sampler's)."""
+    label: str
+    fn: object
+    args: tuple
+    sample_rows: int | None = None
+
+    def out_info(self):
+        """The outputs' shapes and dtypes (a trace, which ``lower`` then reuses: jit caches it)."""
+        return self.fn.eval_shape(*self.args)
+
+    def lower(self):
+        return self.fn.lower(*self.args)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, module, params, routing, mesh=None):
         """module: the Flax model (kernel-scoped); params/routing on device (sharded over ``mesh``)."""
@@ -273,53 +290,74 @@ class ModelRunner:
         return jax.jit(fn, static_argnums=(6,), **self._one_device())
 
     # ----- start-up compilation ---------------------------------------------
-    def _step_lowerings(self) -> list[tuple[str, int, object]]:
-        """(label, sample rows, thunk giving the Lowered step) for every model step in the bucket set."""
-        N, P, R, C = self.num_ranks, self.params, self.routing, self.cache
-        i32 = lambda *shape: np.zeros((N, *shape), np.int32)  # noqa: E731
-        out = []
-        if self.spec:  # every decode step is a verify: the decode program never runs
-            out += self.spec.verify_lowerings(i32)
-        for B, W in ([] if self.spec else self.buckets.decode_shapes()):
-            tok = self._abstract((N, B), jnp.int32, self._tok_sharding)
-            out.append((f"decode B={B} W={W}", B, functools.partial(
-                self._decode.lower, P, R, C, tok, i32(B), i32(B), i32(B, W), i32(B))))
-        extra = 2 if self.spec else 0  # the MTP layer's inputs: following tokens, slots
-        for T, B in self.buckets.packed_shapes():
-            out.append((f"prefill T={T} B={B}", B, functools.partial(
-                self._prefill.lower, P, R, C, i32(T), i32(T), i32(B + 1), i32(T), *[i32(T)] * extra)))
-        for B, S in self.buckets.paged_shapes():
-            out.append((f"prefill_paged B={B} S={S}", B, functools.partial(
-                self._prefill_paged.lower, P, R, C, i32(B, S), i32(B, S), i32(B), i32(B), i32(B, S),
-                i32(B, self.buckets.max_width), *[i32(B, S)] * extra)))
-        return out
-
-    def _abstract(self, shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    def abstract(self, shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
         """A device input as jit will see it: on one device its sharding is left unspecified (as jit treats
-        a committed single-device array), on a mesh it is the array's own."""
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding if self.mesh is not None else None)
+        a committed single-device array), on a mesh it is the array's own (default: split over the ranks)."""
+        if self.mesh is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or NamedSharding(self.mesh, RANK))
+
+    def rank_arrays(self, *shape) -> np.ndarray:
+        """A host int32 input [N, *shape] of a step (zeros): what precompile lowers a program with."""
+        return np.zeros((self.num_ranks, *shape), np.int32)
+
+    def step_program(self, label: str, fn, *args, sample_rows: int | None = None) -> Program:
+        """A model step of the precompiled set: ``fn`` (from ``compile_step``) on the step's fixed inputs
+        (parameters, routing, cache) and ``args``."""
+        return Program(label, fn, (self.params, self.routing, self.cache, *args), sample_rows)
+
+    def precompile_programs(self) -> list[Program]:
+        """Every program this configuration can run, each with the (abstract) arguments it is called with,
+        in compile order: the model steps (buckets.py: the decode, packed-prefill and paged-prefill shapes;
+        a proposer's in place of the decode), the sampler per (rows, SampleMode), the decode input gather,
+        the proposer's own programs, the cache-row export/import of disaggregation per rows bucket. Only
+        traced (the outputs' shapes), nothing compiled: ``precompile`` compiles them, and its total is this
+        list's length."""
+        N, i32 = self.num_ranks, self.rank_arrays
+        decode = (self.spec.decode_programs() if self.spec else
+                  [self.step_program(f"decode B={B} W={W}", self._decode, self.abstract((N, B), jnp.int32),
+                                     i32(B), i32(B), i32(B, W), i32(B), sample_rows=B)
+                   for B, W in self.buckets.decode_shapes()])
+        extra = self.spec.prefill_inputs if self.spec else lambda *shape: ()
+        prefill = [self.step_program(f"prefill T={T} B={B}", self._prefill, i32(T), i32(T), i32(B + 1), i32(T),
+                                     *extra(T), sample_rows=B) for T, B in self.buckets.packed_shapes()]
+        paged = [self.step_program(f"prefill_paged B={B} S={S}", self._prefill_paged, i32(B, S), i32(B, S), i32(B),
+                                   i32(B), i32(B, S), i32(B, self.buckets.max_width), *extra(B, S), sample_rows=B)
+                 for B, S in self.buckets.paged_shapes()]
+        steps = decode + prefill + paged
+        # The sampler takes each step's logits: one program per (rows, mode), rows shared between steps.
+        logits = {}
+        for p in steps:
+            info = p.out_info()[1]
+            logits.setdefault(p.sample_rows, self.abstract(info.shape, info.dtype))
+        sample = [Program(f"sample rows={rows} {m}", self._sample,
+                          (sds, *self._sampling_arrays([[]] * N, rows), i32(rows), m))
+                  for rows, sds in logits.items() for m in SampleMode.all()]
+        prev = self.abstract((N, self.buckets.max_decode_batch), jnp.int32)
+        feed = [] if self.spec else [Program(f"feed B={B}", self._feed, (prev, i32(B), i32(B)))
+                                     for B in sorted({b for b, _ in self.buckets.decode_shapes()})]
+        own = self.spec.programs_after(decode, prefill) if self.spec else []
+        rows = []
+        for P in powers_of_two(next_pow2(self.max_model_len, 16), 16):
+            slots = np.zeros(P, np.int32)
+            rows.append(Program(f"export_rows P={P}", self._export, (self.cache, np.int32(0), slots)))
+            sds = self.abstract((self.cache.shape[1], P, self.row_dim), self.cache.dtype,
+                                NamedSharding(self.mesh, REPLICATED) if self.mesh is not None else None)
+            rows.append(Program(f"import_rows P={P}", self._import, (self.cache, np.int32(0), slots, sds)))
+        return steps + sample + feed + own + rows
 
     def precompile(self, progress: bool = True, threads: int | None = None) -> dict:
-        """Compiles every program this configuration can run (buckets.py: the decode, packed-prefill and
-        paged-prefill shapes, the sampler per rows and SampleMode, the decode input gather, the cache-row
-        export/import of disaggregation per rows bucket), so no
-        request compiles anything; with JAX's persistent cache (moejax/compilation.py) a restart loads
-        them instead. Tracing runs here, XLA's compiles in ``threads`` threads (default: the CPU count,
-        at most 8, on a GPU; inline on CPU; $MOEJAX_COMPILE_THREADS). Returns {"programs", "seconds"}; logs one line a program."""
+        """Compiles every program of ``precompile_programs``, so no request compiles anything; with JAX's
+        persistent cache (moejax/compilation.py) a restart loads them instead. Tracing runs here, XLA's
+        compiles in ``threads`` threads (default: the CPU count, at most 8, on a GPU; inline on CPU;
+        $MOEJAX_COMPILE_THREADS). Returns {"programs", "seconds"}; logs one line a program."""
         t0 = time.perf_counter()
         # XLA:CPU's compiles are short and a CPU process has other work: compile inline there; GPUs,
         # where a program takes seconds to minutes, take a pool.
         cpu = jax.default_backend() == "cpu"
         threads = threads or int(os.environ.get("MOEJAX_COMPILE_THREADS") or (1 if cpu else min(8, os.cpu_count() or 1)))
-        steps = self._step_lowerings()
-        modes = SampleMode.all()
-        n_sample = len({b for _, b, _ in steps}) * len(modes)
-        n_feed = 0 if self.spec else len(self.buckets.decode_shapes()) // len(self.buckets.decode_widths)
-        n_draft = (len(self.buckets.decode_shapes()) + len({b for _, b in self.buckets.packed_shapes()}
-                                                           | {b for b, _ in self.buckets.paged_shapes()})
-                   if self.spec else 0)
-        total = (len(steps) + n_sample + n_feed + n_draft
-                 + 2 * len(powers_of_two(next_pow2(self.max_model_len, 16), 16)))
+        programs = self.precompile_programs()
+        total = len(programs)
         bar = tqdm(total=total, desc="Compiling programs", unit="prog", disable=not progress)
         done = [0]
 
@@ -331,54 +369,16 @@ class ModelRunner:
             bar.update(1)
             return compiled
 
-        with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="moejax-compile") as pool:
-            def run(items):  # [(label, thunk)] traced here, compiled in the pool (inline with one thread)
-                if threads <= 1:
-                    return [compile_one(label, thunk()) for label, thunk in items]
-                futs = [pool.submit(compile_one, label, thunk()) for label, thunk in items]
-                return [f.result() for f in futs]
-
-            compiled = run([(label, thunk) for label, _, thunk in steps])
-            # The sampler and the gather take what the steps give them: their exact shardings and dtypes.
-            logits = {}
-            for (_, rows, _), c in zip(steps, compiled):
-                info = jax.tree.leaves(c.out_info)[1] if hasattr(c, "out_info") else None
-                shard = c.output_shardings[1]
-                shape = (self.num_ranks, rows, self.cfg.vocab_size)
-                logits.setdefault((rows, str(shard)), self._abstract(
-                    shape, info.dtype if info is not None else jnp.float32, shard))
-            samp = lambda b: (np.zeros((self.num_ranks, b), np.float32), np.ones((self.num_ranks, b), np.float32),  # noqa: E731
-                              np.zeros((self.num_ranks, b), np.int32), np.zeros((self.num_ranks, b), np.uint32),
-                              np.zeros((self.num_ranks, b), np.int32))
-            sample_items = [(f"sample rows={sds.shape[1]} {m}", functools.partial(
-                self._sample.lower, sds, *samp(sds.shape[1]), m)) for sds in logits.values() for m in modes]
-            sampled = run(sample_items)
-            tok_shard = sampled[0].output_shardings[4]
-            batches = [b for b, _ in self.buckets.decode_shapes()[::len(self.buckets.decode_widths)]]
-            prev = self._abstract((self.num_ranks, self.buckets.max_decode_batch), jnp.int32, tok_shard)
-            feed_items = [(f"feed B={b}", functools.partial(
-                self._feed.lower, prev, np.zeros((self.num_ranks, b), np.int32), np.zeros((self.num_ranks, b), np.int32)))
-                for b in ([] if self.spec else batches)]
-            run(feed_items)
-            if self.spec:  # the draft programs take the verify's and the prefill's hidden states
-                hidden = {label.split()[0]: jax.tree.leaves(c.out_info)[4] for (label, _, _), c in zip(steps, compiled)}
-                i32 = lambda *shape: np.zeros((self.num_ranks, *shape), np.int32)  # noqa: E731
-                feed_items += self.spec.draft_lowerings(i32, hidden["spec_verify"], hidden["prefill"], tok_shard)
-                run(feed_items[-n_draft:])
-            # Moving a sequence's rows between engines (disaggregation): one export and one import a bucket.
-            rows = []
-            for P in powers_of_two(next_pow2(self.max_model_len, 16), 16):
-                slots = np.zeros(P, np.int32)
-                rows.append((f"export_rows P={P}", functools.partial(self._export.lower, self.cache, np.int32(0), slots)))
-                sds = self._abstract((self.cache.shape[1], P, self.row_dim), self.cache.dtype,
-                                     NamedSharding(self.mesh, REPLICATED) if self.mesh is not None else None)
-                rows.append((f"import_rows P={P}", functools.partial(self._import.lower, self.cache, np.int32(0), slots,
-                                                                     sds)))
-            run(rows)
+        if threads <= 1:
+            for p in programs:
+                compile_one(p.label, p.lower())
+        else:  # traced here, compiled in the pool
+            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="moejax-compile") as pool:
+                for f in [pool.submit(compile_one, p.label, p.lower()) for p in programs]:
+                    f.result()
         bar.close()
-        n = len(steps) + len(sample_items) + len(feed_items) + len(rows)
         self.precompiled = True
-        return {"programs": n, "seconds": time.perf_counter() - t0}
+        return {"programs": total, "seconds": time.perf_counter() - t0}
 
     # ----- host-side batching ---------------------------------------------
     def _by_rank(self, seqs: list[Sequence]) -> tuple[list[list[Sequence]], int]:

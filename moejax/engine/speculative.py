@@ -279,31 +279,30 @@ class SpecDecoder:
         return out
 
     # ----- start-up compilation ---------------------------------------------------
-    def verify_lowerings(self, i32) -> list:
-        """(label, sample rows, thunk) of the verify program at every decode bucket (rows B x (k+1))."""
-        r, R = self.runner, self.R
-        P, Rt, C = r.params, r.routing, r.cache
-        return [(f"spec_verify B={B} W={W}", B * R, functools.partial(
-            self._verify.lower, P, Rt, C, i32(B * R), i32(B * R), i32(B * R), i32(B, W), i32(B * R)))
-            for B, W in r.buckets.decode_shapes()]
+    def decode_programs(self) -> list:
+        """The verify program at every decode bucket (rows B x (k+1)): every decode step is a verify, so the
+        runner's decode program never runs."""
+        r, R, i32 = self.runner, self.R, self.runner.rank_arrays
+        return [r.step_program(f"spec_verify B={B} W={W}", self._verify, i32(B * R), i32(B * R), i32(B * R),
+                               i32(B, W), i32(B * R), sample_rows=B * R) for B, W in r.buckets.decode_shapes()]
 
-    def draft_lowerings(self, i32, h_info, last_info, tok_shard) -> list:
-        """(label, thunk) of the draft programs: after each decode bucket's verify, and after each prefill
-        batch (B rows of the packed and paged prefill shapes). h_info / last_info: the verify's and the
-        prefill's hidden-state outputs (dtype); tok_shard: the sampler's token sharding."""
-        r, R = self.runner, self.R
+    def prefill_inputs(self, *shape) -> tuple:
+        """The MTP layer's inputs a prefill program takes beside the runner's (following tokens, slots)."""
+        return (self.runner.rank_arrays(*shape),) * 2
+
+    def programs_after(self, decode: list, prefill: list) -> list:
+        """The draft programs: after each decode bucket's verify, and after each prefill batch (B rows of the
+        packed and paged prefill shapes); they take the verify's and the prefill's hidden states (their last
+        output: ``decode`` and ``prefill`` are those programs)."""
+        r, R, i32 = self.runner, self.R, self.runner.rank_arrays
         N, H = r.num_ranks, r.cfg.hidden_size
-        P, Rt, C = r.params, r.routing, r.cache
-        shard = NamedSharding(r.mesh, RANK) if r.mesh is not None else None
+        h_dtype, last_dtype = decode[0].out_info()[4].dtype, prefill[0].out_info()[4].dtype
         out = []
         for B, W in r.buckets.decode_shapes():
-            h = r._abstract((N, B * R, H), h_info.dtype, shard)
-            toks = r._abstract((N, B * R), jnp.int32, tok_shard)
-            out.append((f"spec_draft B={B} W={W}", functools.partial(
-                self._draft.lower, P, Rt, C, h, toks, i32(B, R), i32(B), i32(B, R), i32(B, W), i32(B))))
+            out.append(r.step_program(f"spec_draft B={B} W={W}", self._draft, r.abstract((N, B * R, H), h_dtype),
+                                      r.abstract((N, B * R), jnp.int32), i32(B, R), i32(B), i32(B, R), i32(B, W),
+                                      i32(B)))
         for B in sorted({b for _, b in r.buckets.packed_shapes()} | {b for b, _ in r.buckets.paged_shapes()}):
-            h = r._abstract((N, B, H), last_info.dtype, shard)
-            toks = r._abstract((N, B), jnp.int32, tok_shard)
-            out.append((f"spec_draft_first B={B}", functools.partial(
-                self._draft_first.lower, P, Rt, C, h, toks, i32(B), i32(B, r.buckets.max_width), i32(B))))
+            out.append(r.step_program(f"spec_draft_first B={B}", self._draft_first, r.abstract((N, B, H), last_dtype),
+                                      r.abstract((N, B), jnp.int32), i32(B), i32(B, r.buckets.max_width), i32(B)))
         return out
