@@ -37,6 +37,7 @@ from moejax.kernel_selection import (KERNEL_MODES, MLA_KERNELS, MOE_KERNELS, SHA
                                      W8A8_KERNELS)
 from moejax.layers.fp8_policy import VARIANTS, Fp8Policy
 from moejax.layers.kv_quant import KV_CACHE_DTYPES
+from pallas_kernels import triton_fp8_dots
 
 DTYPES = ("bfloat16", "float32")
 WEIGHT_DTYPES = ("auto", "fp8", "bf16")
@@ -221,9 +222,10 @@ class EngineArgs:
         "auto", "MLA decode's kernel on a GPU: triton (64+ heads over an FP8 cache on CUDA, the default there) or "
         "pallas (kernel_selection.mla_kernel)", layer="kernels", choices=MLA_KERNELS)
     fp8_fast_accum: bool = setting(
-        True, "FP8 x FP8 dots of the Pallas kernels on Hopper's wgmma (Triton's own FP8 default; "
+        triton_fp8_dots.DEFAULT, "FP8 x FP8 dots of the Pallas kernels on Hopper's wgmma (Triton's own FP8 default; "
         "pallas_kernels/triton_fp8_dots.py); --no-fp8-fast-accum keeps Triton-lowering's precise "
-        "accumulation (mma.sync). A lowering choice of the process: the setting of the engine traced last",
+        "accumulation (mma.sync); default: on unless $MOEJAX_FP8_FAST_ACC is 0. A lowering choice of the "
+        "process: the setting of the engine traced last",
         layer="kernels", check=boolean)
     # --- moejax.load itself
     precompile: bool = setting(

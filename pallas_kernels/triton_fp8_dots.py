@@ -15,12 +15,14 @@ Measured on an H100 (same run, fp8_probe.txt): the W8A8 fused MoE at 128 rows an
 ``install()`` wraps the lowering's ``tt_dialect.dot`` once per process so FP8-operand dots get the
 attribute (other dots unchanged). ``set_fast_accumulation(False)`` (the engine setting
 ``fp8_fast_accum``: ``moejax serve --no-fp8-fast-accum``, moejax/engine_args.py) leaves the dots of the
-kernels lowered after it alone. A jax whose lowering has no such hook is left alone with a warning: the
+kernels lowered after it alone. ``MOEJAX_FP8_FAST_ACC=0`` is the fallback: the process's choice until an
+engine sets its own, and the setting's default. A jax whose lowering has no such hook is left alone with a warning: the
 kernels stay correct, only slower.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 try:  # jax's Pallas-Triton lowering: private, its layout may change between releases
@@ -31,10 +33,12 @@ except ImportError as e:  # pragma: no cover
     _import_error = e
 
 FAST_ACC = 1 << 30  # Triton's sm_90 default for FP8 dots
+ENV = "MOEJAX_FP8_FAST_ACC"
 _installed: bool | None = None
 # Read as each kernel is lowered: a choice of the process (the engine sets it while its step is traced,
 # moejax/kernel_selection.py KernelScopedModule; lowering follows the trace, possibly in another thread).
-_fast = True
+_fast = os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off")
+DEFAULT = _fast  # the environment's choice: the fp8_fast_accum setting's default
 
 
 def set_fast_accumulation(on: bool) -> bool:

@@ -55,7 +55,7 @@ sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 import moejax.layers.mfa as mfa_mod  # noqa: E402
 import moejax.layers.mla as mla_mod  # noqa: E402
-from moejax.benchmark.decode_setup import bench_hf_config, weight_kw  # noqa: E402
+from moejax.benchmark.decode_setup import add_engine_flags, bench_hf_config, engine_settings, weight_kw  # noqa: E402
 from moejax.benchmark.roofline import measure_matmul_rate, time_call  # noqa: E402
 from moejax.config import EngineConfig  # noqa: E402
 from moejax.engine.model_runner import next_pow2, packed_bucket  # noqa: E402
@@ -306,9 +306,8 @@ def bench_weights(name, hf, cfg, dtype, wd: str, a_args, rate: float, results: d
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), random_params(cfg))
     else:
         params = random_device_params(cfg, a_args.dtype, fp8=fp8)
-    m = random_model(hf, a_args.dtype, params=params, kernels="xla", max_model_len=min(cfg.max_position_embeddings,
-                                                                                       4096),
-                     fp8_variant=a_args.fp8_variant, **wkw)
+    m = random_model(hf, params=params, kernels="xla", max_model_len=min(cfg.max_position_embeddings, 4096),
+                     **engine_settings(a_args), **wkw)
     a = attention_shapes(cfg)
     print(f"\n{name}: {cfg.num_hidden_layers} layers, {a['H']} heads over {a['Hk']} K/V heads, "
           f"qk {a['Dk']}+{a['R']}, v {a['Dv']}, {wd} weights (made in {time.perf_counter() - t0:.0f} s)")
@@ -501,9 +500,7 @@ def main(argv=None):
     ap.add_argument("--kernels", default="auto,xla,attn-xla,full", help="comma list of " + " / ".join(PATHS))
     ap.add_argument("--full-limit-gb", type=float, default=24.0,
                     help="skip the full-score path where its f32 scores alone exceed this")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--weight-dtype", default="bf16", help="comma list of bf16 / fp8 / fp8:<layer types joined by +>")
-    ap.add_argument("--fp8-variant", choices=["auto", "w8a16", "w8a8"], default="auto")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--mixed", default="", help="prompt lengths of one packed-vs-padded step, comma list; "
@@ -513,6 +510,7 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="first check the kernel against float64 on this device")
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks the script in seconds")
     ap.add_argument("--json", default=None)
+    add_engine_flags(ap)  # --dtype, --fp8-variant, --moe-kernel, --mla-kernel, ... (moejax/engine_args.py)
     a = ap.parse_args(argv)
     if a.smoke:
         a.preset, a.points, a.iters, a.warmup = "v3-tiny,step3-tiny", "2x40", 2, 1

@@ -8,7 +8,8 @@ output throughput against median inter-token latency.
   python scripts/sweep.py --concurrency 1,4,16 --random-input-len 32 --random-output-len 16 --out-dir /tmp/sweep
 
 Without --base-url it starts the server (scripts/serve.py) on a free loopback port with --model
-(default: the embedded tiny random model) and stops it at the end.
+(default: the embedded tiny random model) and the engine settings' flags (moejax serve's, from
+moejax/engine_args.py; --max-num-seqs defaults to the top level), and stops it at the end.
 
 --offline sweeps scripts/bench_decode.py instead (one device, no server, prefill excluded):
 for each preset and concurrency, moejax with --kernels auto, the XLA baseline and optionally
@@ -32,6 +33,10 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from moejax.engine_args import EngineArgs  # noqa: E402
+from moejax.server.cli import SERVE_DEFAULTS  # noqa: E402
 
 CSV_FIELDS = ["concurrency", "num_prompts", "completed", "failed", "duration", "total_input_tokens",
               "total_output_tokens", "request_throughput", "output_throughput", "total_token_throughput",
@@ -65,12 +70,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def start_server(a) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    settings = EngineArgs.from_cli_args(a, max_num_seqs=a.max_num_seqs or max(a.levels))
     cmd = [sys.executable, os.path.join(HERE, "serve.py"), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs or max(a.levels))]
+           *settings.to_argv()]
     if a.model:
         cmd += ["--model", a.model]
-    if a.max_model_len:
-        cmd += ["--max-model-len", str(a.max_model_len)]
     cmd += shlex.split(a.server_args or "")
     print("starting:", " ".join(cmd), flush=True)
     log = open(os.path.join(a.out_dir, "server.log"), "w")
@@ -222,10 +226,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out-dir", default="sweep_results")
     ap.add_argument("--base-url", default=None, help="benchmark this server instead of starting one")
     ap.add_argument("--model", default=None, help="checkpoint to serve (default: the embedded tiny random model)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=None, help="server batch limit (default: top level)")
-    ap.add_argument("--server-args", default="", help="extra arguments for scripts/serve.py")
+    ap.add_argument("--server-args", default="", help="extra arguments for scripts/serve.py (its own flags)")
     ap.add_argument("--server-timeout", type=float, default=600)
     ap.add_argument("--disable-tqdm", action="store_true")
     ap.add_argument("--warmup", action="store_true",
@@ -242,6 +243,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup-steps", type=int, default=3, help="--offline: untimed decode steps per point")
     ap.add_argument("--fill", choices=["prefill", "random"], default="prefill",
                     help="--offline: real prefill, or a random cache of the same length (bench_decode --fill)")
+    # The server's engine settings: moejax serve's flags and defaults (--max-num-seqs: the top level).
+    EngineArgs.add_cli_args(ap, defaults={**SERVE_DEFAULTS, "max_num_seqs": None})
     a = ap.parse_args(argv)
     a.levels = [int(c) for c in a.concurrency.split(",") if c.strip()]
     os.makedirs(a.out_dir, exist_ok=True)

@@ -233,3 +233,21 @@ def test_a_new_setting_is_one_declaration():
     assert config.new_thing == 3 and config.max_num_seqs == 256
     with pytest.raises(AttributeError):
         config.not_a_setting
+
+
+@pytest.mark.parametrize("env,want", [(None, True), ("0", False)])
+def test_fp8_fast_accum_falls_back_to_its_environment_variable(env, want):
+    """MOEJAX_FP8_FAST_ACC (read once, at import) is fp8_fast_accum's default: moejax.load's keyword, the
+    flag's default and the lowering's choice for kernels run outside an engine; a given setting wins."""
+    code = ("import inspect, argparse, moejax; from moejax.engine_args import EngineArgs; "
+            "from pallas_kernels import triton_fp8_dots as t; ap = argparse.ArgumentParser(); "
+            "EngineArgs.add_cli_args(ap); "
+            "print(inspect.signature(moejax.load).parameters['fp8_fast_accum'].default, "
+            "ap.parse_args([]).fp8_fast_accum, t._fast, EngineArgs(fp8_fast_accum=True).fp8_fast_accum)")
+    environ = {k: v for k, v in os.environ.items() if k != triton_fp8_dots.ENV}
+    if env is not None:
+        environ[triton_fp8_dots.ENV] = env
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env={**environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [str(want)] * 3 + ["True"]
