@@ -62,7 +62,8 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> str:
+        """``template_vars``: more variables for the template (the server's chat_template_kwargs, e.g. thinking)."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer_config.json has no chat_template")
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
@@ -72,5 +73,5 @@ class Tokenizer:
 
         env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            **template_vars, messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")

@@ -178,7 +178,7 @@ async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
     n_out = 0
     if req.chat:
         await resp.write(_sse(protocol.stream_chunk(req, rid, created, None, [], None, None, ctx.tokenizer,
-                                                    first=True)))
+                                                    first=True, completion_tokens=0)))
     while True:
         ev = await stream.get(POLL_S)
         if ev is None:
@@ -208,7 +208,8 @@ async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
         if ev.finish_reason is not None:
             delta += detok.finish(ev.text)  # the engine's final text: stop strings already cut
         chunk = protocol.stream_chunk(req, rid, created, delta, ids, lps if ids else None,
-                                      ev.finish_reason, ctx.tokenizer, text_offset=offset, tops=tops)
+                                      ev.finish_reason, ctx.tokenizer, text_offset=offset, tops=tops,
+                                      completion_tokens=n_out)
         await resp.write(_sse(chunk))
         if ev.finish_reason is not None:
             break

@@ -4,7 +4,6 @@ stream-chunk builders, OpenAI-style errors, and incremental detokenization."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 import uuid
 
@@ -12,9 +11,6 @@ from pydantic import ValidationError
 
 from moejax.engine.sampling_params import SamplingParams
 from moejax.server import schemas
-
-log = logging.getLogger("moejax.server")
-
 
 class APIError(Exception):
     """Becomes {"error": {"message", "type", "param", "code"}} with HTTP `status`."""
@@ -58,6 +54,7 @@ class ParsedRequest:
     model: str
     top_logprobs: int = 0  # alternatives per token (completions: logprobs N, chat: top_logprobs N)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens shown as "token_id:<id>"
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
 
 def _check_model(model: str | None, ctx: ServingContext) -> str:
@@ -72,14 +69,14 @@ def _check_chars(n_chars: int, ctx: ServingContext, what: str) -> None:
                        f"has {n_chars} characters, more than {ctx.max_model_len} tokens can hold.", param=what)
 
 
-def _prompt_ids(p, ctx: ServingContext) -> list[int]:
+def _prompt_ids(p, ctx: ServingContext, add_special_tokens: bool = True) -> list[int]:
     if p is None:
         raise APIError("'prompt' is required", param="prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one prompt
     if isinstance(p, str):
         _check_chars(len(p), ctx, "prompt")
-        ids = ctx.tokenizer.encode(p)
+        ids = ctx.tokenizer.encode(p, add_special_tokens=add_special_tokens)
     elif all(isinstance(t, int) for t in p):
         ids = list(p)
     else:
@@ -105,27 +102,37 @@ def _content_text(content, i: int) -> str:
     return "".join(parts)
 
 
-def _chat_prompt_ids(msgs, ctx: ServingContext) -> list[int]:
+_TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
+
+
+def _template_message(m, i: int) -> dict:
+    """A message as HF chat templates read it: content as text, the optional fields only when given."""
+    d = {"role": m.role, "content": _content_text(m.content, i)}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        v = getattr(m, key)
+        if v is not None:
+            d[key] = v
+    return d
+
+
+def _chat_prompt_ids(body, ctx: ServingContext) -> list[int]:
+    msgs = body.messages
     if not msgs:
         raise APIError("'messages' must be a non-empty list of messages", param="messages")
-    clean = [{"role": m.role, "content": _content_text(m.content, i)} for i, m in enumerate(msgs)]
+    clean = [_template_message(m, i) for i, m in enumerate(msgs)]
     _check_chars(sum(len(m["content"]) for m in clean), ctx, "messages")
+    kwargs = body.chat_template_kwargs or {}
+    clash = [k for k in kwargs if k in _TEMPLATE_OWN]
+    if clash:
+        raise APIError(f"'chat_template_kwargs' may not set {clash[0]!r}: the server sets it", param="chat_template_kwargs")
     try:
-        text = ctx.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+        text = ctx.tokenizer.apply_chat_template(clean, add_generation_prompt=body.add_generation_prompt, **kwargs)
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
     except Exception as e:  # noqa: BLE001 - a template error on odd input is the client's problem
         raise APIError(f"chat template failed: {e}", param="messages") from None
-    return ctx.tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
-
-
-# field -> (neutral value check, what is supported)
-_NEUTRAL = {
-    "best_of": (lambda v: v == 1, "1"), "echo": (lambda v: v is False, "false"), "suffix": (lambda v: False, "null"),
-    "presence_penalty": (lambda v: v == 0, "0"), "frequency_penalty": (lambda v: v == 0, "0"),
-    "repetition_penalty": (lambda v: v == 1, "1"), "logit_bias": (lambda v: v == {}, "{}"),
-    "min_tokens": (lambda v: v == 0, "0"), "tools": (lambda v: v == [], "[]"),
-}
+    # the template writes BOS itself; add_special_tokens (vLLM's, default false) adds it again
+    return ctx.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 
 def _validate_body(raw: bytes, chat: bool):
@@ -140,16 +147,13 @@ def _validate_body(raw: bytes, chat: bool):
 def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     """The raw JSON body -> a ParsedRequest (tokenised). CPU-bound: the app runs it in a worker thread."""
     body = _validate_body(raw, chat)
-    if body.model_extra:
-        log.warning("The following fields were present in the request but ignored: %s",
-                    sorted(body.model_extra)[:20])
     model = _check_model(body.model, ctx)
-    for key, (ok, neutral) in _NEUTRAL.items():
-        v = getattr(body, key, None)
-        if v is not None and not ok(v):
-            raise APIError(f"'{key}'={v!r} is not supported (only {neutral})"[:300], param=key)
-    if body.n is not None and body.n != 1:
-        raise APIError("only n=1 is supported", param="n")
+    refused = schemas.refused_field(body)
+    if refused is not None:
+        key, v = refused
+        neutral = schemas.NEUTRAL_ONLY[key]
+        raise APIError(f"'{key}'={v!r}"[:200] + f" is not supported by this server (only {neutral!r}); it is "
+                       "refused rather than ignored", param=key)
     if body.stream_options is not None and not body.stream:
         raise APIError("'stream_options' can only be given when 'stream' is true", param="stream_options")
 
@@ -160,7 +164,12 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     else:  # logprobs: N asks for the sampled token's logprob and N alternatives
         logprobs, top_n = body.logprobs is not None, body.logprobs or 0
 
-    ids = _chat_prompt_ids(body.messages, ctx) if chat else _prompt_ids(body.prompt, ctx)
+    if chat:
+        ids = _chat_prompt_ids(body, ctx)
+    else:
+        ids = _prompt_ids(body.prompt, ctx, add_special_tokens=body.add_special_tokens is not False)
+    if body.truncate_prompt_tokens is not None:
+        ids = ids[-body.truncate_prompt_tokens:]  # vLLM's rule: the last N tokens
     n = len(ids)
     what = "messages" if chat else "prompt"
     if n >= ctx.max_model_len:
@@ -199,9 +208,10 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         msg = str(e).replace("max_new_tokens", "max_tokens")
         field = msg.split(" ", 1)[0]
         raise APIError(msg, param=field if field in body.model_fields_set else None) from None
-    include_usage = body.stream_options.include_usage if body.stream_options else False
-    return ParsedRequest(chat, ids, params, body.stream, include_usage, logprobs, body.return_token_ids, model,
-                         top_n, body.return_tokens_as_token_ids)
+    so = body.stream_options
+    return ParsedRequest(chat, ids, params, body.stream, so.include_usage if so else False, logprobs,
+                         body.return_token_ids, model, top_n, body.return_tokens_as_token_ids,
+                         so.continuous_usage_stats if so else False)
 
 
 # ----- responses ---------------------------------------------------------------------------
@@ -288,7 +298,8 @@ def full_response(req: ParsedRequest, rid: str, text: str, token_ids: list[int],
 
 def stream_chunk(req: ParsedRequest, rid: str, created: int, delta_text: str | None, token_ids: list[int],
                  lps: list[float] | None, finish_reason: str | None, tokenizer, first: bool = False,
-                 text_offset: int = 0, tops: list | None = None) -> dict:
+                 text_offset: int = 0, tops: list | None = None, completion_tokens: int | None = None) -> dict:
+    """``completion_tokens``: the tokens so far, for stream_options.continuous_usage_stats (usage: null else)."""
     lp_obj = None
     if req.logprobs and token_ids:
         lp_obj = logprobs_object(req, tokenizer, token_ids, lps or [], tops, text_offset)
@@ -301,7 +312,8 @@ def stream_chunk(req: ParsedRequest, rid: str, created: int, delta_text: str | N
     if req.return_token_ids:
         choice["token_ids"] = list(token_ids)
     return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion", "created": created,
-            "model": req.model, "choices": [choice], "usage": None}
+            "model": req.model, "choices": [choice],
+            "usage": usage(len(req.prompt_ids), completion_tokens) if req.continuous_usage else None}
 
 
 def usage_chunk(req: ParsedRequest, rid: str, created: int, completion_tokens: int) -> dict:

@@ -5,8 +5,12 @@ lone surrogates, NaN / Infinity and nesting deeper than its recursion limit are 
 invalid JSON, never reach Python as odd objects, and cannot raise a RecursionError. Strict
 types: no bool for an int, no float for an int, no string for a number. Every integer is
 bounded to what the engine and its kernels take (int32 for top_k), every float finite.
-Unknown fields are kept in ``model_extra`` and ignored (with a warning), as vLLM does.
-Cross-field rules (lengths against max_model_len, n=1, ...) stay in protocol.py.
+Every field is honoured or refused, never ignored (vLLM warns and ignores unknown ones; a
+client then gets silently wrong output): a field no class declares is refused with a 400
+naming it, and each declared field is either in HONOURED or in NEUTRAL_ONLY (refused with a
+400 naming it unless it has the neutral value that changes nothing). tests/test_api_fields.py
+checks that the two tables cover every field and vLLM's request fields.
+Cross-field rules (lengths against max_model_len, ...) stay in protocol.py.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ Count = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]  # range checked in p
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk too
 
 
 class _Sampling(_Body):
@@ -55,6 +60,34 @@ class _Sampling(_Body):
     repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     min_tokens: Count | None = None
+    # vLLM's sampling and extra params; typed Any where only the neutral value is taken, so the
+    # refusal names the field whatever the value's type
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    add_special_tokens: bool | None = None
+    min_p: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    allowed_token_ids: Any = None
+    prompt_logprobs: Any = None
+    bad_words: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    structured_outputs: Any = None
+    priority: Any = None
+    request_id: Any = None
+    logits_processors: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -62,6 +95,7 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = None
     suffix: str | None = None
+    prompt_embeds: Any = None
 
 
 class TextPart(_Body):
@@ -70,9 +104,12 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
+    """Every field goes to the chat template (a template that does not read one drops it, as in HF)."""
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to one
 
 
 class ChatCompletionRequest(_Sampling):
@@ -80,7 +117,61 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: Any = None
+    include_reasoning: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+
+
+# Where each request field takes effect (protocol.py unless said otherwise).
+HONOURED = {
+    "model": "checked against the served names",
+    "prompt": "tokenised (or token ids)", "messages": "through the chat template",
+    "max_tokens": "SamplingParams.max_new_tokens", "max_completion_tokens": "chat's max_tokens",
+    "temperature": "sampler", "top_p": "sampler", "top_k": "sampler", "seed": "sampler's per-request key",
+    "stream": "app.py: SSE", "stream_options": "app.py: usage chunks", "stop": "engine's stop strings",
+    "stop_token_ids": "engine", "ignore_eos": "engine", "logprobs": "sampler", "top_logprobs": "sampler",
+    "return_token_ids": "response", "return_tokens_as_token_ids": "response's logprobs",
+    "user": "an end-user id for the operator's logs (OpenAI: no effect on the output)",
+    "truncate_prompt_tokens": "keeps the prompt's last N tokens",
+    "add_special_tokens": "tokeniser (completions: default true, chat: default false)",
+    "add_generation_prompt": "chat template", "chat_template_kwargs": "chat template's variables",
+}
+
+# Refused (400 naming the field) unless given this value, which is what the server does anyway.
+NEUTRAL_ONLY = {
+    "n": 1, "best_of": 1, "echo": False, "suffix": None, "prompt_embeds": None,
+    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
+    "min_tokens": 0, "min_p": 0, "use_beam_search": False, "length_penalty": 1,
+    "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "allowed_token_ids": None, "prompt_logprobs": None, "bad_words": [],
+    "response_format": {"type": "text"}, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+    "structural_tag": None, "structured_outputs": None, "priority": 0, "request_id": None,
+    "logits_processors": None, "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None,
+    "tools": [], "tool_choice": "none", "parallel_tool_calls": None, "functions": None, "function_call": None,
+    "reasoning_effort": None, "include_reasoning": True, "continue_final_message": False,
+    "documents": None, "chat_template": None, "mm_processor_kwargs": None,
+}
+
+
+def refused_field(body: BaseModel) -> tuple[str, Any] | None:
+    """The first field given a value this server does not carry out (NEUTRAL_ONLY), with that value."""
+    for key, neutral in NEUTRAL_ONLY.items():
+        v = getattr(body, key, None)
+        if v is not None and v != neutral:
+            return key, v
+    return None
 
 
 def describe(e: ValidationError) -> tuple[str, str | None]:
@@ -92,6 +183,9 @@ def describe(e: ValidationError) -> tuple[str, str | None]:
     if first["type"] == "model_type" and not first["loc"]:
         return "the request body must be a JSON object", None
     loc = first["loc"]
+    if first["type"] == "extra_forbidden":
+        where = ".".join(str(p) for p in loc)
+        return f"'{where}' is not a field this server knows; it is refused rather than ignored", str(loc[0])
     param = str(loc[0]) if loc else None
     where = ".".join(str(p) for p in loc) or "body"
     msg = first["msg"]

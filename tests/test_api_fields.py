@@ -1,0 +1,215 @@
+"""Every request field of /v1/completions and /v1/chat/completions is honoured or refused, never
+ignored: the schema's fields are exactly schemas.HONOURED + schemas.NEUTRAL_ONLY, they cover
+OpenAI's and vLLM's request fields, each NEUTRAL_ONLY field with another value is refused with a
+400 naming it, an unknown field too; the cheap honoured ones (truncate_prompt_tokens,
+add_special_tokens, add_generation_prompt, chat_template_kwargs, messages' name / tool_calls /
+tool_call_id, stream_options.continuous_usage_stats) take effect."""
+
+import json
+
+import pytest
+
+import moejax
+from moejax.server import schemas
+from moejax.server.app import ServerThread
+from moejax.server.protocol import APIError, ServingContext, parse_request
+from moejax.tiny.checkpoint import make_random_checkpoint
+from moejax.tiny.presets import preset
+from moejax.tokenizer import Tokenizer
+
+import openai  # noqa: E402  (in the test extra)
+
+NAME = "tiny-fields"
+MAX_LEN = 128
+
+# vLLM's CompletionRequest / ChatCompletionRequest fields (vllm/entrypoints/openai/protocol.py, v0.10),
+# OpenAI's own included, plus vLLM's newer structured_outputs
+VLLM_COMMON = {
+    "model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty", "seed", "stop",
+    "stream", "stream_options", "temperature", "top_p", "user", "best_of", "use_beam_search", "top_k", "min_p",
+    "repetition_penalty", "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+    "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "allowed_token_ids", "prompt_logprobs", "add_special_tokens", "response_format", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+    "priority", "request_id", "logits_processors", "return_tokens_as_token_ids", "cache_salt",
+    "kv_transfer_params", "vllm_xargs", "echo", "structured_outputs",
+}
+VLLM_COMPLETION = VLLM_COMMON | {"prompt", "prompt_embeds", "suffix"}
+VLLM_CHAT = VLLM_COMMON | {
+    "messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "reasoning_effort",
+    "include_reasoning", "parallel_tool_calls", "bad_words", "add_generation_prompt", "continue_final_message",
+    "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "structural_tag",
+    "functions", "function_call",
+}
+VLLM_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
+
+# a value other than the neutral one, per NEUTRAL_ONLY field
+NOT_NEUTRAL = {
+    "n": 2, "best_of": 2, "echo": True, "suffix": "x", "prompt_embeds": "AAAA",
+    "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {"5": 3.0},
+    "min_tokens": 2, "min_p": 0.1, "use_beam_search": True, "length_penalty": 0.5,
+    "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    "allowed_token_ids": [65], "prompt_logprobs": 1, "bad_words": ["a"],
+    "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
+    "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"regex": "a"},
+    "priority": 1, "request_id": "r1", "logits_processors": ["m.P"], "cache_salt": "salt",
+    "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+    "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+    "reasoning_effort": "low", "include_reasoning": False, "continue_final_message": True,
+    "documents": [{"title": "t", "text": "x"}], "chat_template": "{{ messages }}", "mm_processor_kwargs": {"a": 1},
+}
+
+PROMPT = {"prompt": "hello there"}
+MESSAGES = {"messages": [{"role": "user", "content": "hello there"}]}
+
+
+def _fields(cls) -> set[str]:
+    return set(cls.model_fields)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_random_checkpoint(str(tmp_path_factory.mktemp("tiny")), preset("v3-tiny"), seed=7, std=0.1)
+
+
+@pytest.fixture(scope="module")
+def ctx(tiny_path):
+    return ServingContext((NAME,), Tokenizer(tiny_path), MAX_LEN, 260)
+
+
+def _parse(ctx, chat: bool, **body):
+    return parse_request(json.dumps({**(MESSAGES if chat else PROMPT), **body}).encode(), ctx, chat)
+
+
+def _refused(ctx, chat: bool, **body) -> APIError:
+    with pytest.raises(APIError) as ei:
+        _parse(ctx, chat, **body)
+    assert ei.value.status == 400 and ei.value.type == "invalid_request_error"
+    return ei.value
+
+
+def test_every_field_is_honoured_or_refused():
+    """The two tables partition the schema's fields, and cover vLLM's (and so OpenAI's) request fields:
+    a field added to a request class without a decision fails here."""
+    assert not set(schemas.HONOURED) & set(schemas.NEUTRAL_ONLY)
+    decided = set(schemas.HONOURED) | set(schemas.NEUTRAL_ONLY)
+    for cls, vllm in ((schemas.CompletionRequest, VLLM_COMPLETION), (schemas.ChatCompletionRequest, VLLM_CHAT)):
+        assert _fields(cls) - decided == set(), cls.__name__
+        assert vllm - _fields(cls) - {"bad_words", "structural_tag"} == set(), cls.__name__
+    assert decided == _fields(schemas.CompletionRequest) | _fields(schemas.ChatCompletionRequest)
+    assert _fields(schemas.StreamOptions) == VLLM_STREAM_OPTIONS
+    assert set(NOT_NEUTRAL) == set(schemas.NEUTRAL_ONLY)
+    for cls in (schemas.CompletionRequest, schemas.ChatCompletionRequest, schemas.StreamOptions,
+                schemas.ChatMessage, schemas.TextPart):
+        assert cls.model_config["extra"] == "forbid", cls.__name__
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_not_neutral_values_refused_naming_the_field(ctx, chat):
+    cls = schemas.ChatCompletionRequest if chat else schemas.CompletionRequest
+    for key, value in NOT_NEUTRAL.items():
+        err = _refused(ctx, chat, **{key: value})
+        if key in _fields(cls):
+            assert err.param == key and key in err.message and "refused" in err.message, (key, err.message)
+        else:  # the other endpoint's field: unknown here
+            assert err.param == key and "not a field" in err.message, (key, err.message)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_neutral_values_accepted(ctx, chat):
+    cls = schemas.ChatCompletionRequest if chat else schemas.CompletionRequest
+    neutral = {k: v for k, v in schemas.NEUTRAL_ONLY.items() if k in _fields(cls)}
+    assert _parse(ctx, chat).prompt_ids == _parse(ctx, chat, **neutral).prompt_ids
+
+
+def test_unknown_fields_refused(ctx):
+    for chat in (False, True):
+        err = _refused(ctx, chat, no_such_field=1)
+        assert err.param == "no_such_field" and "not a field" in err.message
+    err = _refused(ctx, False, stream=True, stream_options={"include_usage": True, "odd": 1})
+    assert err.param == "stream_options" and "stream_options.odd" in err.message
+    err = _refused(ctx, True, messages=[{"role": "user", "content": "x", "audio": 1}])
+    assert err.param == "messages" and "messages.0.audio" in err.message
+
+
+def test_truncate_and_special_tokens(ctx):
+    """truncate_prompt_tokens keeps the last N tokens (the max_tokens room then counts those);
+    add_special_tokens false drops the BOS a completion prompt gets; a chat's is encoded with the
+    tokenizer's special-token rule only when true (the template writes BOS itself)."""
+    full = _parse(ctx, False).prompt_ids
+    assert full[0] == ctx.tokenizer.bos_token_id
+    assert _parse(ctx, False, truncate_prompt_tokens=4).prompt_ids == full[-4:]
+    assert _parse(ctx, False, truncate_prompt_tokens=100).prompt_ids == full
+    assert _parse(ctx, False, add_special_tokens=False).prompt_ids == full[1:]
+    long_prompt = "y" * (MAX_LEN + 20)  # too long as a whole, fine once truncated
+    r = _parse(ctx, False, prompt=long_prompt[:MAX_LEN - 2], truncate_prompt_tokens=8, max_tokens=MAX_LEN - 8)
+    assert len(r.prompt_ids) == 8 and r.params.max_new_tokens == MAX_LEN - 8
+    assert _refused(ctx, False, truncate_prompt_tokens=0).param == "truncate_prompt_tokens"
+    chat = _parse(ctx, True).prompt_ids
+    assert chat[0] == ctx.tokenizer.bos_token_id and chat[1] != ctx.tokenizer.bos_token_id
+    text = ctx.tokenizer.apply_chat_template(MESSAGES["messages"])
+    assert chat == ctx.tokenizer.encode(text, add_special_tokens=False)
+    assert _parse(ctx, True, add_special_tokens=True).prompt_ids == ctx.tokenizer.encode(text, add_special_tokens=True)
+
+
+def test_chat_template_gets_message_fields_and_kwargs(tiny_path):
+    """name, tool_calls, tool_call_id and chat_template_kwargs reach the template; add_generation_prompt
+    false leaves the assistant tag off."""
+    tok = Tokenizer(tiny_path)
+    tok.chat_template = (
+        "{% for m in messages %}[{{ m.role }}{% if m.name is defined %}:{{ m.name }}{% endif %}]"
+        "{{ m.content }}{% if m.tool_calls is defined %}{% for c in m.tool_calls %}<call {{ c.function.name }}"
+        "({{ c.function.arguments }})>{% endfor %}{% endif %}{% if m.tool_call_id is defined %}"
+        "<for {{ m.tool_call_id }}>{% endif %}{% endfor %}{% if thinking is defined and thinking %}<think>"
+        "{% endif %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    c = ServingContext((NAME,), tok, MAX_LEN, 260)
+    messages = [
+        {"role": "user", "content": "w?", "name": "ann"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "content": "3", "tool_call_id": "c1"},
+    ]
+    text = tok.decode(_parse(c, True, messages=messages, chat_template_kwargs={"thinking": True}).prompt_ids)
+    assert text == "[user:ann]w?[assistant]<call get({\"x\": 1})>[tool]3<for c1><think>[assistant]"
+    text = tok.decode(_parse(c, True, messages=messages, add_generation_prompt=False).prompt_ids)
+    assert text == "[user:ann]w?[assistant]<call get({\"x\": 1})>[tool]3<for c1>"
+    err = _refused(c, True, chat_template_kwargs={"messages": []})
+    assert err.param == "chat_template_kwargs"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_path):
+    model = moejax.load(tiny_path, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4, progress=False)
+    srv = ServerThread(model, model_name=NAME).start()
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    srv.stop()
+
+
+def test_server_refuses_with_openai_error(client):
+    """Through the openai client: a refused field and an unknown one are 400s naming them."""
+    for extra, param in (({"min_p": 0.1}, "min_p"), ({"guided_regex": "a"}, "guided_regex"),
+                         ({"frobnicate": 1}, "frobnicate")):
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.completions.create(model=NAME, prompt="hi", max_tokens=2, extra_body=extra)
+        assert ei.value.body["param"] == param and ei.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       response_format={"type": "json_object"})
+    assert ei.value.body["param"] == "response_format"
+
+
+def test_continuous_usage_stats(client):
+    """stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    kw = dict(model=NAME, max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True},
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(client.completions.create(prompt="hello", **kw))
+    with_text = [c for c in chunks if c.choices]
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in with_text]
+    assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1].usage.completion_tokens == 6
+    plain = list(client.completions.create(prompt="hello", **{**kw, "stream_options": {"include_usage": True}}))
+    assert all(c.usage is None for c in plain if c.choices)
+    chat = list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw))
+    assert chat[0].usage.completion_tokens == 0 and chat[-1].usage.completion_tokens == 6
