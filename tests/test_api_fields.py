@@ -6,6 +6,8 @@ add_special_tokens, add_generation_prompt, chat_template_kwargs, messages' name 
 tool_call_id, stream_options.continuous_usage_stats) take effect."""
 
 import json
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -213,3 +215,55 @@ def test_continuous_usage_stats(client):
     assert all(c.usage is None for c in plain if c.choices)
     chat = list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw))
     assert chat[0].usage.completion_tokens == 0 and chat[-1].usage.completion_tokens == 6
+
+
+def _http(client, method: str, path: str, body: dict | None = None, headers: dict | None = None):
+    url = str(client.base_url).removesuffix("/v1/").removesuffix("/v1") + path
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read()), r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers
+
+
+def test_tokenizer_endpoints(client, ctx):
+    """/tokenize (prompt and messages) gives the ids the generation routes prefill (usage agrees),
+    /detokenize inverts it, /tokenizer_info names the special tokens; bad bodies are 400s naming the field."""
+    tok = ctx.tokenizer
+    status, body, _ = _http(client, "POST", "/tokenize", {"prompt": "hello there", "return_token_strs": True})
+    assert status == 200 and body["tokens"] == tok.encode("hello there") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_LEN and len(body["token_strs"]) == body["count"]
+    r = client.completions.create(model=NAME, prompt="hello there", max_tokens=1)
+    assert r.usage.prompt_tokens == body["count"]
+    status, body2, _ = _http(client, "POST", "/tokenize", {"prompt": "hello there", "add_special_tokens": False})
+    assert body2["tokens"] == body["tokens"][1:] and body2["token_strs"] is None
+    msgs = [{"role": "user", "content": "hi"}]
+    status, chat, _ = _http(client, "POST", "/tokenize", {"model": NAME, "messages": msgs})
+    assert status == 200 and chat["tokens"] == _parse(ctx, True, messages=msgs).prompt_ids
+    rc = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=1)
+    assert rc.usage.prompt_tokens == chat["count"]
+    status, text, _ = _http(client, "POST", "/detokenize", {"tokens": body2["tokens"]})
+    assert status == 200 and text == {"prompt": "hello there"}
+    status, info, _ = _http(client, "GET", "/tokenizer_info")
+    assert status == 200 and info["bos_token"] == tok.bos_token and info["eos_token_id"] == tok.eos_token_id
+    for path, bad, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": "x", "odd": 1}, "odd"),
+                             ("/detokenize", {"tokens": [10**6]}, "tokens"), ("/detokenize", {}, "tokens"),
+                             ("/tokenize", {"prompt": "x", "model": "nope"}, "model")):
+        status, err, _ = _http(client, "POST", path, bad)
+        assert status in (400, 404) and err["error"]["param"] == param, (path, bad, err)
+
+
+def test_model_by_id_and_request_id_echo(client):
+    """/v1/models/{id}: the served model's card, 404 for another; X-Request-Id comes back on the response."""
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    status, _, headers = _http(client, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1},
+                               headers={"X-Request-Id": "abc-123"})
+    assert status == 200 and headers["X-Request-Id"] == "abc-123"
+    status, _, headers = _http(client, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "odd": 1},
+                               headers={"X-Request-Id": "abc-124"})
+    assert status == 400 and headers["X-Request-Id"] == "abc-124"

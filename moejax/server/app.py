@@ -228,10 +228,39 @@ async def chat_completions(request: web.Request):
 
 
 async def models(request: web.Request):
+    return web.json_response({"object": "list", "data": [protocol.model_card(request.app[CTX_KEY])]})
+
+
+async def model(request: web.Request):
     ctx = request.app[CTX_KEY]
-    return web.json_response({"object": "list", "data": [
-        {"id": ctx.model_names[0], "object": "model", "created": int(time.time()), "owned_by": "moejax",
-         "root": ctx.model_names[-1], "max_model_len": ctx.max_model_len}]})
+    protocol.check_model(request.match_info["model_id"], ctx)  # 404 model_not_found otherwise
+    return web.json_response(protocol.model_card(ctx))
+
+
+async def _tokenizer_call(request: web.Request, fn) -> web.Response:
+    """/tokenize and /detokenize: the body parsed and run in the worker pool, as the generation routes'."""
+    raw = await request.read()
+    loop = asyncio.get_running_loop()
+    return web.json_response(await loop.run_in_executor(request.app[STATE_KEY].pool, fn, raw, request.app[CTX_KEY]))
+
+
+async def tokenize(request: web.Request):
+    return await _tokenizer_call(request, protocol.tokenize)
+
+
+async def detokenize(request: web.Request):
+    return await _tokenizer_call(request, protocol.detokenize)
+
+
+async def tokenizer_info(request: web.Request):
+    return web.json_response(protocol.tokenizer_info(request.app[CTX_KEY]))
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """A client's X-Request-Id comes back on its response (vLLM's --enable-request-id-headers, always on)."""
+    rid = request.headers.get("X-Request-Id")
+    if rid is not None:
+        response.headers["X-Request-Id"] = rid
 
 
 def _starting(aengine) -> bool:
@@ -273,9 +302,14 @@ def build_app(aengine: AsyncEngine, ctx: protocol.ServingContext, policy: Access
                                                  thread_name_prefix="moejax-parse")
     app[ENGINE_KEY], app[CTX_KEY], app[STATE_KEY] = aengine, ctx, ServerState(pool)
     app.on_response_prepare.append(add_cors_headers(policy))
+    app.on_response_prepare.append(_echo_request_id)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id}", model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)

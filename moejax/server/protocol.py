@@ -4,6 +4,7 @@ stream-chunk builders, OpenAI-style errors, and incremental detokenization."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 
@@ -57,7 +58,7 @@ class ParsedRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
 
-def _check_model(model: str | None, ctx: ServingContext) -> str:
+def check_model(model: str | None, ctx: ServingContext) -> str:
     if model is not None and model not in ctx.model_names:
         raise APIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
     return ctx.model_names[0]
@@ -135,19 +136,10 @@ def _chat_prompt_ids(body, ctx: ServingContext) -> list[int]:
     return ctx.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 
-def _validate_body(raw: bytes, chat: bool):
-    model = schemas.ChatCompletionRequest if chat else schemas.CompletionRequest
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        msg, param = schemas.describe(e)
-        raise APIError(msg, param=param) from None
-
-
 def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     """The raw JSON body -> a ParsedRequest (tokenised). CPU-bound: the app runs it in a worker thread."""
-    body = _validate_body(raw, chat)
-    model = _check_model(body.model, ctx)
+    body = _validate(schemas.ChatCompletionRequest if chat else schemas.CompletionRequest, raw)
+    model = check_model(body.model, ctx)
     refused = schemas.refused_field(body)
     if refused is not None:
         key, v = refused
@@ -212,6 +204,56 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     return ParsedRequest(chat, ids, params, body.stream, so.include_usage if so else False, logprobs,
                          body.return_token_ids, model, top_n, body.return_tokens_as_token_ids,
                          so.continuous_usage_stats if so else False)
+
+
+# ----- the tokenizer endpoints (vLLM's /tokenize, /detokenize, /tokenizer_info) --------------
+
+def _validate(cls, raw: bytes):
+    try:
+        return cls.model_validate_json(raw)
+    except ValidationError as e:
+        msg, param = schemas.describe(e)
+        raise APIError(msg, param=param) from None
+
+
+def tokenize(raw: bytes, ctx: ServingContext) -> dict:
+    """A prompt (or messages, through the chat template) -> its token ids, as the generation endpoints
+    tokenise it."""
+    try:  # the form is told by its keys; a body that is no JSON object gets pydantic's error below
+        chat = "messages" in json.loads(raw)
+    except (ValueError, TypeError):
+        chat = False
+    body = _validate(schemas.TokenizeChatRequest if chat else schemas.TokenizeCompletionRequest, raw)
+    check_model(body.model, ctx)
+    if chat:
+        ids = _chat_prompt_ids(body, ctx)
+    else:
+        _check_chars(len(body.prompt), ctx, "prompt")
+        ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    strs = [token_str(ctx.tokenizer, t) for t in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(raw: bytes, ctx: ServingContext) -> dict:
+    body = _validate(schemas.DetokenizeRequest, raw)
+    check_model(body.model, ctx)
+    bad = [t for t in body.tokens if t >= ctx.vocab_size]
+    if bad:
+        raise APIError(f"token ids must lie in [0, {ctx.vocab_size}); got {bad[0]}", param="tokens")
+    return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+
+def tokenizer_info(ctx: ServingContext) -> dict:
+    tok = ctx.tokenizer
+    return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+            "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "add_bos_token": tok.add_bos_token,
+            "chat_template": tok.chat_template, "model_max_length": ctx.max_model_len,
+            "vocab_size": tok.vocab_size}
+
+
+def model_card(ctx: ServingContext) -> dict:
+    return {"id": ctx.model_names[0], "object": "model", "created": int(time.time()), "owned_by": "moejax",
+            "root": ctx.model_names[-1], "max_model_len": ctx.max_model_len}
 
 
 # ----- responses ---------------------------------------------------------------------------

@@ -133,6 +133,29 @@ class ChatCompletionRequest(_Sampling):
     mm_processor_kwargs: Any = None
 
 
+class TokenizeCompletionRequest(_Body):
+    """POST /tokenize with a prompt (vLLM's form)."""
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    """POST /tokenize with messages: the prompt the chat endpoint would build."""
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 # Where each request field takes effect (protocol.py unless said otherwise).
 HONOURED = {
     "model": "checked against the served names",
