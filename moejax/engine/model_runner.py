@@ -38,6 +38,8 @@ from tqdm.auto import tqdm
 
 from moejax import kernel_selection
 from moejax.config import EngineConfig
+from moejax.executable_cache import ExecutableCache, PrecompiledFunction
+from moejax.engine import executable_set
 from moejax.engine.buckets import Buckets, next_pow2, powers_of_two, token_bucket
 from moejax.engine.sequence import Sequence
 from moejax.engine.speculative import SpecDecoder
@@ -173,7 +175,7 @@ class ModelRunner:
         def feed(prev, rows, host):
             self.trace_counts["feed"] += 1
             return _feed(prev, rows, host)
-        self._feed = jax.jit(feed, out_shardings=self._tok_sharding, **self._one_device())
+        self._feed = PrecompiledFunction(jax.jit(feed, out_shardings=self._tok_sharding, **self._one_device()), "feed")
         self.precompiled = False
 
         def export(cache, rank, slots):
@@ -188,9 +190,10 @@ class ModelRunner:
 
         # Handoff of a prefilled sequence between engines (kv_handoff.py): not donated on export (the
         # cache lives on), donated on import (updated in place, as by a step).
-        self._export = jax.jit(export, **self._one_device())
-        self._import = (jax.jit(import_, donate_argnums=(0,), **self._one_device()) if mesh is None else
-                        jax.jit(import_, donate_argnums=(0,), out_shardings=NamedSharding(mesh, RANK)))
+        self._export = PrecompiledFunction(jax.jit(export, **self._one_device()), "export_rows")
+        self._import = PrecompiledFunction(
+            jax.jit(import_, donate_argnums=(0,), **self._one_device()) if mesh is None else
+            jax.jit(import_, donate_argnums=(0,), out_shardings=NamedSharding(mesh, RANK)), "import_rows")
 
     def _vars(self, params, routing):
         return {"params": params, "routing": routing}
@@ -255,7 +258,7 @@ class ModelRunner:
                                      out_specs=RANK, check_vma=False)(params, routing, *args)
         else:
             fn = per_rank
-        return jax.jit(fn, donate_argnums=(2,) if with_cache else (), **self._one_device())
+        return PrecompiledFunction(jax.jit(fn, donate_argnums=(2,) if with_cache else (), **self._one_device()), name)
 
     def _one_device(self) -> dict:
         """On one device every argument is pinned to it: jit would otherwise key its programs on whether
@@ -287,7 +290,7 @@ class ModelRunner:
                 return jax.shard_map(functools.partial(per_rank, mode=mode), mesh=mesh, in_specs=RANK,
                                      out_specs=RANK, check_vma=False)(*arrays)
         # ``mode`` is the last positional argument (jit takes no keywords with in_shardings).
-        return jax.jit(fn, static_argnums=(6,), **self._one_device())
+        return PrecompiledFunction(jax.jit(fn, static_argnums=(6,), **self._one_device()), "sample", (6,))
 
     # ----- start-up compilation ---------------------------------------------
     def abstract(self, shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
@@ -356,14 +359,21 @@ class ModelRunner:
         # where a program takes seconds to minutes, take a pool.
         cpu = jax.default_backend() == "cpu"
         threads = threads or int(os.environ.get("MOEJAX_COMPILE_THREADS") or (1 if cpu else min(8, os.cpu_count() or 1)))
+        cache = ExecutableCache.open()  # $MOEJAX_EXECUTABLE_CACHE_DIR (moejax/executable_cache.py)
+        if cache is not None and (n := executable_set.load_set(self, cache)):  # the whole set: nothing traced
+            self.precompiled = True
+            return {"programs": n, "seconds": time.perf_counter() - t0, "loaded": n}
         programs = self.precompile_programs()
         total = len(programs)
         bar = tqdm(total=total, desc="Compiling programs", unit="prog", disable=not progress)
         done = [0]
 
-        def compile_one(label, lowered):
+        def compile_one(program, lowered):
+            label = program.label
             t = time.perf_counter()
             compiled = lowered.compile()
+            if cache is not None:
+                executable_set.store_program(self, cache, program, compiled)
             done[0] += 1
             log.info("compiled %s in %.2f s (%d/%d)", label, time.perf_counter() - t, done[0], total)
             bar.update(1)
@@ -371,12 +381,16 @@ class ModelRunner:
 
         if threads <= 1:
             for p in programs:
-                compile_one(p.label, p.lower())
+                if cache is None or not executable_set.load_program(self, cache, p):
+                    compile_one(p, p.lower())
         else:  # traced here, compiled in the pool
             with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="moejax-compile") as pool:
-                for f in [pool.submit(compile_one, p.label, p.lower()) for p in programs]:
+                for f in [pool.submit(compile_one, p, p.lower()) for p in programs
+                          if cache is None or not executable_set.load_program(self, cache, p)]:
                     f.result()
         bar.close()
+        if cache is not None:
+            executable_set.store_manifest(self, cache, programs)
         self.precompiled = True
         return {"programs": total, "seconds": time.perf_counter() - t0}
 

@@ -1,0 +1,95 @@
+"""The runner's precompiled set through the executable cache (moejax/executable_cache.py): what each
+program's key holds, the whole set loaded from its manifest without tracing, and one program loaded
+or stored as precompile builds it.
+
+What a program depends on (its key, beside the environment's): a model step (decode, the prefills, a
+proposer's programs) the whole engine configuration (model, kernels, cache, scheduler, layout); the
+sampler the vocabulary, the largest decode batch (its padded feed) and the dtype; the decode input
+gather the largest decode batch; the cache-row export/import the cache's shape and dtype. Each also
+holds its label (the bucket) and the number of ranks. So a setting that changes only the model steps
+(e.g. max_model_len's block-table widths) leaves the sampler's executables loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from moejax.executable_cache import ExecutableCache, PrecompiledFunction, signature, signature_from_json
+
+log = logging.getLogger("moejax.precompile")
+_STEP = None  # the family of every label not listed below: the whole configuration
+
+
+def _family(label: str) -> str | None:
+    head = label.split()[0]
+    return head if head in ("sample", "feed", "export_rows", "import_rows") else _STEP
+
+
+def program_depends(runner, label: str) -> dict:
+    base = {"label": label, "ranks": runner.num_ranks}
+    family = _family(label)
+    if family == "sample":
+        return {**base, "vocab": runner.cfg.vocab_size, "max_decode_batch": runner.buckets.max_decode_batch,
+                "dtype": str(runner.config.dtype)}
+    if family == "feed":
+        return {**base, "max_decode_batch": runner.buckets.max_decode_batch}
+    if family in ("export_rows", "import_rows"):
+        return {**base, "cache": [list(runner.cache.shape), str(runner.cache.dtype)]}
+    return {**base, "config": repr(runner.config)}
+
+
+def set_depends(runner) -> dict:
+    """The manifest's key: the whole configuration (any change may change the set itself)."""
+    return {"ranks": runner.num_ranks, "config": repr(runner.config)}
+
+
+def functions(runner) -> dict[str, PrecompiledFunction]:
+    return {v.name: v for v in vars(runner).values() if isinstance(v, PrecompiledFunction)}
+
+
+def load_set(runner, cache: ExecutableCache) -> int:
+    """Installs every executable of the set's manifest (no trace); returns how many, 0 if the set is not
+    complete on disk (then precompile builds what is missing, loading the rest program by program)."""
+    manifest = cache.load_manifest(set_depends(runner))
+    if manifest is None:
+        return 0
+    fns = functions(runner)
+    loaded = []
+    for entry in manifest:
+        fn = fns.get(entry["fn"])
+        t = time.perf_counter()
+        got = cache.load(entry["label"], program_depends(runner, entry["label"])) if fn is not None else None
+        if got is None or got[1] != signature_from_json(entry["signature"]):
+            return 0
+        loaded.append((fn, got))
+        log.info("loaded %s in %.2f s (%d/%d)", entry["label"], time.perf_counter() - t, len(loaded), len(manifest))
+    for fn, (compiled, sig) in loaded:
+        fn.install(sig, compiled)
+    return len(loaded)
+
+
+def load_program(runner, cache: ExecutableCache, program) -> bool:
+    """Installs ``program``'s executable from the cache if its entry is current; False: build it."""
+    if not isinstance(program.fn, PrecompiledFunction):
+        return False
+    got = cache.load(program.label, program_depends(runner, program.label))
+    if got is None or got[1] != signature(program.args):
+        return False
+    program.fn.install(*reversed(got))
+    return True
+
+
+def store_program(runner, cache: ExecutableCache, program, compiled) -> None:
+    """Installs ``compiled`` for ``program`` and keeps it (programs of an unwrapped jit are not kept)."""
+    if isinstance(program.fn, PrecompiledFunction):
+        sig = signature(program.args)
+        program.fn.install(sig, compiled)
+        cache.store(program.label, program_depends(runner, program.label), compiled, sig)
+
+
+def store_manifest(runner, cache: ExecutableCache, programs) -> None:
+    """The set's labels, functions and signatures: written only when every program is kept."""
+    if all(isinstance(p.fn, PrecompiledFunction) for p in programs):
+        cache.store_manifest(set_depends(runner), [
+            {"label": p.label, "fn": p.fn.name, "signature": list(signature(p.args))} for p in programs])

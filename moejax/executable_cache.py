@@ -1,0 +1,249 @@
+"""Compiled executables kept on disk, so that a restart neither traces nor compiles its programs.
+
+JAX's persistent compilation cache (moejax/compilation.py) skips XLA's compile, but the engine still
+traces and lowers every program to find its key (~0.4 s a program on a 2-core CPU, ~0.7 s on the
+H100's host). Here each executable of the precompiled set is serialized
+(``jax.experimental.serialize_executable``) under a key of everything it depends on, and a restart
+whose key is unchanged loads the whole set from a manifest (the labels and call signatures of the set)
+without running any Python trace.
+
+- The key of an entry: this environment (``environment_key``: the entry format, jax/jaxlib versions,
+  platform and its version, device kind and count, XLA_FLAGS) and what the program itself depends on,
+  given by its caller (``depends``: e.g. the model config for a model step, the vocabulary and rows for
+  a sampler). A key that changed is rebuilt, with an INFO line naming the fields that changed.
+- An entry that is truncated, corrupt, written for another label ("foreign") or that fails to load is
+  rebuilt with a WARNING, never run.
+- Entries are written atomically (a temporary file, then a rename): a process killed mid-write leaves
+  the old entry or none.
+
+The folder: ``$MOEJAX_EXECUTABLE_CACHE_DIR`` (or the argument); unset, empty or ``off``: no cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import struct
+import tempfile
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+ENV_VAR = "MOEJAX_EXECUTABLE_CACHE_DIR"
+OFF = ("", "off", "none", "0", "false")
+MAGIC = b"MOEJAXEX"
+FORMAT = 1  # bump when the entry layout changes: every entry is then rebuilt
+
+log = logging.getLogger("moejax.precompile")
+
+
+def resolve_dir(path: str | None = None) -> str | None:
+    """The cache folder from the argument, else the environment; None: off."""
+    if path is None:
+        path = os.environ.get(ENV_VAR, "")
+    return None if path.strip().lower() in OFF else os.path.abspath(os.path.expanduser(path))
+
+
+def environment_key() -> dict:
+    """What every executable depends on beyond its own program: where and by what it was compiled."""
+    dev = jax.devices()[0]
+    return {"format": FORMAT, "jax": jax.__version__, "jaxlib": jaxlib.__version__, "platform": dev.platform,
+            "platform_version": dev.client.platform_version, "device_kind": dev.device_kind,
+            "devices": jax.device_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def signature(args: tuple) -> tuple:
+    """A call's top-level arguments as the executable table is keyed: arrays (and abstract arrays) by
+    shape and dtype, containers as "tree" (parameters, routing: their shapes are fixed for a runner),
+    other values (static arguments) by repr."""
+    out = []
+    for a in args:
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            out.append(("array", tuple(int(d) for d in a.shape), str(a.dtype)))
+        elif isinstance(a, (dict, list, tuple)):
+            out.append(("tree",))
+        else:
+            out.append(("static", repr(a)))
+    return tuple(out)
+
+
+def _jsonable(sig) -> list:
+    return json.loads(json.dumps(sig))
+
+
+def signature_from_json(sig: list) -> tuple:
+    """``signature``'s value back from its JSON form (lists to tuples)."""
+    return tuple(tuple(tuple(x) if isinstance(x, list) else x for x in s) for s in sig)
+
+
+class CorruptEntry(Exception):
+    """An entry that cannot be read as one: truncated, bad magic, bad checksum."""
+
+
+def _encode(header: dict, payload: bytes) -> bytes:
+    header = dict(header, payload_sha256=hashlib.sha256(payload).hexdigest(), payload_len=len(payload))
+    h = json.dumps(header, sort_keys=True).encode()
+    return MAGIC + struct.pack("<Q", len(h)) + h + payload
+
+
+def _decode(blob: bytes) -> tuple[dict, bytes]:
+    if blob[:len(MAGIC)] != MAGIC:
+        raise CorruptEntry("not a moejax executable entry (bad magic)")
+    if len(blob) < len(MAGIC) + 8:
+        raise CorruptEntry("truncated header")
+    (n,) = struct.unpack("<Q", blob[len(MAGIC):len(MAGIC) + 8])
+    start = len(MAGIC) + 8
+    if len(blob) < start + n:
+        raise CorruptEntry("truncated header")
+    try:
+        header = json.loads(blob[start:start + n])
+    except ValueError as e:
+        raise CorruptEntry(f"unreadable header ({e})") from None
+    payload = blob[start + n:]
+    if len(payload) != header.get("payload_len"):
+        raise CorruptEntry(f"truncated: {len(payload)} of {header.get('payload_len')} payload bytes")
+    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+        raise CorruptEntry("payload checksum mismatch")
+    return header, payload
+
+
+class ExecutableCache:
+    """Entries in ``directory``, one file a label, each keyed by ``environment_key()`` + its ``depends``."""
+
+    def __init__(self, directory: str):
+        self.dir = directory
+        os.makedirs(directory, exist_ok=True)
+        self.env = environment_key()
+        self.loaded = 0  # executables loaded in this process (tests and the start-up line read it)
+        self.stored = 0
+
+    @classmethod
+    def open(cls, path: str | None = None) -> "ExecutableCache | None":
+        d = resolve_dir(path)
+        if d is None:
+            return None
+        try:
+            return cls(d)
+        except OSError as e:
+            raise ValueError(f"{ENV_VAR} {d!r} cannot be created: {e}") from None
+
+    def _path(self, label: str) -> str:
+        return os.path.join(self.dir, hashlib.sha256(label.encode()).hexdigest()[:32] + ".exe")
+
+    def _key(self, depends: dict) -> dict:
+        return _jsonable({**self.env, **depends})
+
+    # ----- raw entries
+    def _read(self, label: str, depends: dict) -> tuple[dict, bytes] | None:
+        """(header, payload) of the entry for ``label`` under its current key, or None (missing, changed:
+        logged, rebuilt by the caller)."""
+        path = self._path(label)
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            header, payload = _decode(blob)
+        except CorruptEntry as e:
+            log.warning("executable cache: the entry for %s (%s) is unusable: %s; rebuilding it", label, path, e)
+            return None
+        if header.get("label") != label:
+            log.warning("executable cache: %s holds a foreign entry (%r, not %r); rebuilding it",
+                        path, header.get("label"), label)
+            return None
+        key, old = self._key(depends), header.get("key", {})
+        if old != key:
+            changed = sorted(k for k in set(key) | set(old) if key.get(k) != old.get(k))
+            log.info("executable cache: rebuilding %s: %s changed", label,
+                     ", ".join(f"{k} ({_short(old.get(k))} -> {_short(key.get(k))})" for k in changed))
+            return None
+        return header, payload
+
+    def _write(self, label: str, depends: dict, payload: bytes, **extra) -> None:
+        blob = _encode({"label": label, "key": self._key(depends), **extra}, payload)
+        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, self._path(label))
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    # ----- executables
+    def load(self, label: str, depends: dict):
+        """The executable of ``label`` as (compiled, signature), or None (rebuild it)."""
+        entry = self._read(label, depends)
+        if entry is None:
+            return None
+        header, payload = entry
+        try:
+            serialized, in_tree, out_tree = pickle.loads(payload)
+            by_id = {d.id: d for d in jax.devices()}
+            # The devices it was compiled for, in their order (by default it would load on every device).
+            devices = [by_id[i] for i in header["devices"]]
+            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
+                                                                 execution_devices=devices)
+        except Exception as e:  # noqa: BLE001 - any failure to load is a rebuild, never a crash
+            log.warning("executable cache: the entry for %s failed to load (%s: %s); rebuilding it",
+                        label, type(e).__name__, e)
+            return None
+        self.loaded += 1
+        return compiled, signature_from_json(header["signature"])
+
+    def store(self, label: str, depends: dict, compiled, sig: tuple) -> None:
+        payload = pickle.dumps(serialize_executable.serialize(compiled))
+        devices = [d.id for d in compiled.runtime_executable().local_devices()]
+        self._write(label, depends, payload, signature=_jsonable(sig), devices=devices)
+        self.stored += 1
+
+    # ----- the set's manifest: its labels, so a restart knows the set without tracing it
+    def load_manifest(self, depends: dict) -> list[dict] | None:
+        entry = self._read("manifest", depends)
+        if entry is None:
+            return None
+        try:
+            return json.loads(entry[1])
+        except ValueError as e:
+            log.warning("executable cache: unreadable manifest (%s); rebuilding it", e)
+            return None
+
+    def store_manifest(self, depends: dict, programs: list[dict]) -> None:
+        self._write("manifest", depends, json.dumps(programs).encode())
+
+
+def _short(v, n: int = 60) -> str:
+    s = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+    return s if len(s) <= n else s[:n - 3] + "..."
+
+
+class PrecompiledFunction:
+    """A jitted function and the executables loaded for it, called by signature: a call whose signature
+    has an executable runs it (no trace), any other call goes to the jitted function (traced and
+    compiled as before; after start-up, COUNTER counts it)."""
+
+    def __init__(self, jitted, name: str, static_argnums: tuple[int, ...] = ()):
+        self.jitted, self.name, self.static = jitted, name, frozenset(static_argnums)
+        self.executables: dict[tuple, object] = {}
+
+    def lower(self, *args):
+        return self.jitted.lower(*args)
+
+    def eval_shape(self, *args):
+        return self.jitted.eval_shape(*args)
+
+    def install(self, sig: tuple, compiled) -> None:
+        self.executables[sig] = compiled
+
+    def __call__(self, *args):
+        if self.executables:
+            c = self.executables.get(signature(args))
+            if c is not None:  # static arguments are part of the executable: not passed
+                return c(*(a for i, a in enumerate(args) if i not in self.static))
+        return self.jitted(*args)

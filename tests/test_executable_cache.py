@@ -1,0 +1,112 @@
+"""The executable cache (moejax/executable_cache.py, engine/executable_set.py): a restart on the kept
+executables traces and compiles nothing and serves the same tokens; a changed key rebuilds what depends
+on it (and only that); a truncated or foreign entry is rebuilt with a warning, never run."""
+
+import glob
+import logging
+import os
+
+import numpy as np
+import pytest
+
+import moejax
+from moejax import compilation, executable_cache
+from moejax.engine.sampling_params import SamplingParams
+from moejax.tiny.checkpoint import make_random_checkpoint
+from moejax.tiny.presets import preset
+
+KW = dict(dtype="float32", max_model_len=16, max_num_seqs=2, block_size=8, max_prefill_tokens=8, progress=False,
+          compilation_cache_dir="off")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"checkpoint seed {seed}")
+    return make_random_checkpoint(str(tmp_path_factory.mktemp("ec")), preset("v3-tiny"), seed=seed, std=0.1)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    d = str(tmp_path / "executables")
+    monkeypatch.setenv(executable_cache.ENV_VAR, d)
+    return d
+
+
+def start(ckpt, **kw):
+    """A precompiled model; (model, precompile's result, traces, builds) of its start-up."""
+    model = moejax.load(ckpt, **{**KW, **kw})
+    model.engine  # the runner (its cache's zeros built here, not by precompile)
+    built = compilation.COUNTER.snapshot()[0]
+    out = model.engine.precompile(progress=False)
+    return model, out, sum(model.engine.runner.trace_counts.values()), compilation.COUNTER.snapshot()[0] - built
+
+
+def greedy(model, prompts):
+    eng = model.engine
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    return [list(s.output_ids) for s in seqs]
+
+
+PROMPTS = [[5, 9, 17, 3], [101, 7]]
+
+
+def test_restart_traces_and_compiles_nothing_and_serves_the_same_tokens(ckpt, cache_dir):
+    cold, out, traces, builds = start(ckpt)
+    assert "loaded" not in out and traces > 0 and builds == out["programs"]
+    want = greedy(cold, PROMPTS)
+    warm, out2, traces2, builds2 = start(ckpt)
+    assert out2["loaded"] == out["programs"] and traces2 == 0 and builds2 == 0
+    built = compilation.COUNTER.snapshot()[0]
+    assert greedy(warm, PROMPTS) == want
+    assert sum(warm.engine.runner.trace_counts.values()) == 0  # serving ran the loaded executables only
+    assert compilation.COUNTER.snapshot()[0] == built
+
+
+def test_a_changed_key_rebuilds_what_depends_on_it(ckpt, cache_dir, caplog):
+    _, out, _, _ = start(ckpt)
+    sample = sum(1 for f in glob.glob(os.path.join(cache_dir, "*.exe")))
+    assert sample == out["programs"] + 1  # and the manifest
+    # max_model_len changes the model steps' block tables and the cache's rows, not the sampler or the gather.
+    with caplog.at_level(logging.INFO, logger="moejax.precompile"):
+        model, out2, _, builds = start(ckpt, max_model_len=32)
+    programs = model.engine.runner.precompile_programs()
+    kept = [p.label for p in programs if p.label.split()[0] in ("sample", "feed")]
+    assert "loaded" not in out2 and builds == len(programs) - len(kept) > 0
+    assert any("rebuilding decode" in r.message and "config" in r.message for r in caplog.records)
+    assert not any(f"rebuilding {lb}:" in r.message for lb in kept for r in caplog.records)
+
+
+def test_a_truncated_or_foreign_entry_is_rebuilt_with_a_warning(ckpt, cache_dir, caplog):
+    _, out, _, _ = start(ckpt)
+    files = sorted(glob.glob(os.path.join(cache_dir, "*.exe")), key=os.path.getsize)
+    big, other = files[-1], files[-2]
+    with open(big, "rb") as f:
+        blob = f.read()
+    with open(big, "wb") as f:
+        f.write(blob[:len(blob) // 2])
+    with open(other, "rb") as f:
+        foreign = f.read()
+    with open(files[-3], "wb") as f:
+        f.write(foreign)  # another program's entry under this one's name
+    with caplog.at_level(logging.WARNING, logger="moejax.precompile"):
+        model, out2, _, builds = start(ckpt)
+    warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("truncated" in w for w in warnings) and any("foreign entry" in w for w in warnings)
+    assert "loaded" not in out2 and builds == 2  # exactly the two bad entries
+    assert greedy(model, PROMPTS)  # and it serves
+    # Rebuilt entries are whole again: the next start loads everything.
+    _, out3, traces3, builds3 = start(ckpt)
+    assert out3["loaded"] == out["programs"] and traces3 == builds3 == 0
+
+
+def test_environment_change_names_the_field(tmp_path, caplog, monkeypatch):
+    cache = executable_cache.ExecutableCache(str(tmp_path))
+    cache._write("x", {"a": 1}, b"payload")
+    monkeypatch.setitem(cache.env, "jaxlib", "0.0.1")
+    with caplog.at_level(logging.INFO, logger="moejax.precompile"):
+        assert cache._read("x", {"a": 1}) is None
+    assert any("jaxlib" in r.message and "-> 0.0.1" in r.message for r in caplog.records)
+    assert cache._read("x", {"a": 2}) is None
