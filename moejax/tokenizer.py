@@ -39,6 +39,20 @@ class Tokenizer:
         if isinstance(self.chat_template, list):  # named templates: use "default"
             self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"), None)
 
+    def set_chat_template(self, spec: str) -> None:
+        """The server's --chat-template (vLLM's): a file holding a Jinja template, or the template itself;
+        checked here, at start-up, not at the first chat request."""
+        if os.path.isfile(spec):
+            with open(spec, encoding="utf-8") as f:
+                spec = f.read()
+        elif "{{" not in spec and "{%" not in spec:
+            raise ValueError(f"--chat-template {spec!r}: no such file, and no Jinja template")
+        try:
+            self._environment().parse(spec)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"--chat-template: {e.message} (line {e.lineno})") from None
+        self.chat_template = spec
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -62,16 +76,20 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> str:
-        """``template_vars``: more variables for the template (the server's chat_template_kwargs, e.g. thinking)."""
-        if not self.chat_template:
-            raise ValueError("this model's tokenizer_config.json has no chat_template")
+    @staticmethod
+    def _environment() -> jinja2.Environment:
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
 
         def raise_exception(msg):
             raise ValueError(msg)
 
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
+        return env
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> str:
+        """``template_vars``: more variables for the template (the server's chat_template_kwargs, e.g. thinking)."""
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer_config.json has no chat_template")
+        return self._environment().from_string(self.chat_template).render(
             **template_vars, messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")

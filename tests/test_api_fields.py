@@ -267,3 +267,62 @@ def test_model_by_id_and_request_id_echo(client):
     status, _, headers = _http(client, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "odd": 1},
                                headers={"X-Request-Id": "abc-124"})
     assert status == 400 and headers["X-Request-Id"] == "abc-124"
+
+
+def test_list_of_prompts(client, ctx):
+    """A list of prompts (strings or token-id lists, lm-eval's batches): one choice each, in order, the same
+    greedy tokens as one request a prompt; usage sums them; a streamed list is a 400 naming prompt."""
+    prompts = ["hello there", "abc", "the quick brown fox"]
+    kw = dict(model=NAME, max_tokens=5, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    one = [client.completions.create(prompt=p, **kw) for p in prompts]
+    for batch in (prompts, [ctx.tokenizer.encode(p) for p in prompts]):
+        r = client.completions.create(prompt=batch, **kw)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        assert [c.text for c in r.choices] == [o.choices[0].text for o in one]
+        assert [c.model_extra["token_ids"] for c in r.choices] == [o.choices[0].model_extra["token_ids"] for o in one]
+        assert r.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in one)
+        assert r.usage.completion_tokens == 15
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(prompt=prompts, stream=True, **kw)
+    assert ei.value.body["param"] == "prompt"
+    err = _refused(ctx, False, prompt=[[5], []])
+    assert err.param == "prompt" and "prompt[1]" in err.message
+
+
+def test_chat_template_override(tiny_path, tmp_path):
+    """--chat-template (a file or the text) replaces the tokenizer's; a missing file or a syntax error is a
+    ValueError naming the flag, at start-up."""
+    from moejax.server.cli import parse_args
+    assert parse_args(["--chat-template", "t.jinja"]).chat_template == "t.jinja"
+    tok = Tokenizer(tiny_path)
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    tok.set_chat_template(str(f))
+    c = ServingContext((NAME,), tok, MAX_LEN, 260)
+    assert tok.decode(_parse(c, True).prompt_ids) == "<user>hello there"
+    tok.set_chat_template("{{ messages[0].content }}!")
+    assert tok.decode(_parse(c, True).prompt_ids) == "hello there!"
+    for bad in (str(tmp_path / "missing.jinja"), "{% for %}"):
+        with pytest.raises(ValueError, match="--chat-template"):
+            tok.set_chat_template(bad)
+
+
+def test_generation_config_defaults(ctx, tmp_path):
+    """--generation-config auto: generation_config.json's temperature / top_p / top_k / max_new_tokens are the
+    defaults of requests that omit them; a request's own value wins; a default the server cannot apply
+    (repetition_penalty 1.1) stops the start-up with its name; vllm: none."""
+    from moejax.server.protocol import generation_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7, "bos_token_id": 0}))
+    defaults = generation_defaults(str(tmp_path))
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7}
+    assert generation_defaults("vllm") == {} and generation_defaults(str(tmp_path / "none")) == {}
+    c = ServingContext((NAME,), ctx.tokenizer, MAX_LEN, 260, defaults)
+    p = _parse(c, False).params
+    assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (0.6, 0.95, 20, 7)
+    p = _parse(c, True, temperature=0, top_p=1, top_k=-1, max_tokens=3).params
+    assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (0, 1, 0, 3)
+    for bad, name in (({"repetition_penalty": 1.1}, "repetition_penalty"), ({"top_p": 0}, "top_p")):
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=name):
+            generation_defaults(str(tmp_path))

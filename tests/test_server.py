@@ -282,7 +282,7 @@ def test_bad_inputs_get_openai_errors(server, client):
     expect(openai.BadRequestError, "stop", comp, **{**base, "stop": 7})
     expect(openai.BadRequestError, "prompt", comp, **{**base, "prompt": 3.5})
     expect(openai.BadRequestError, "prompt", comp, **{**base, "prompt": [1, 2, 100000]})
-    expect(openai.BadRequestError, "prompt", comp, **{**base, "prompt": ["a", "b"]})
+    expect(openai.BadRequestError, "prompt", comp, **{**base, "prompt": ["a", "b"], "stream": True})
     expect(openai.BadRequestError, "n", comp, **{**base, "n": 2})
     expect(openai.BadRequestError, "ignore_eos", comp, **base, extra_body={"ignore_eos": "yes"})
     expect(openai.BadRequestError, "stream_options", comp, **base, stream_options={"include_usage": True})

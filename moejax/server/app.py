@@ -84,9 +84,9 @@ def _client_gone(request: web.Request) -> bool:
     return t is None or t.is_closing()
 
 
-async def _submit(aengine: AsyncEngine, req: protocol.ParsedRequest):
+async def _submit(aengine: AsyncEngine, req: protocol.ParsedRequest, prompt_ids: list[int]):
     try:
-        return await aengine.add_request(req.prompt_ids, req.params)
+        return await aengine.add_request(prompt_ids, req.params)
     except ValueError as e:
         raise APIError(str(e), param="messages" if req.chat else "prompt") from None
     except EngineDeadError as e:
@@ -115,19 +115,26 @@ async def _parse(request: web.Request, chat: bool) -> protocol.ParsedRequest:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     aengine, ctx, state = request.app[ENGINE_KEY], request.app[CTX_KEY], request.app[STATE_KEY]
     req = await _parse(request, chat)
-    stream = await _submit(aengine, req)
-    state.inflight.add(stream)
+    streams = []
     try:
+        for ids in req.prompts:  # a list of prompts: one sequence each, served together
+            stream = await _submit(aengine, req, ids)
+            streams.append(stream)
+            state.inflight.add(stream)
         if req.stream:
-            return await _stream(request, req, stream, aengine, ctx)
-        return await _full(request, req, stream, aengine, ctx)
+            return await _stream(request, req, streams[0], aengine, ctx)
+        outputs = await asyncio.gather(*(_collect(request, s, aengine) for s in streams))
+        body = protocol.full_response(req, protocol.new_id(req.chat), list(outputs), ctx.tokenizer)
+        return web.json_response(body)
     finally:
-        state.inflight.discard(stream)
-        if not stream.finished:
-            stream.abort()  # the client went away (or the handler failed): free the sequence
+        for stream in streams:
+            state.inflight.discard(stream)
+            if not stream.finished:
+                stream.abort()  # the client went away (or the handler failed): free the sequence
 
 
-async def _full(request, req, stream, aengine, ctx) -> web.Response:
+async def _collect(request, stream, aengine) -> protocol.Output:
+    """One sequence's tokens until it finishes (a gone client or a dead engine raise)."""
     ids, lps, tops = [], [], []
     while True:
         ev = await stream.get(POLL_S)
@@ -146,9 +153,7 @@ async def _full(request, req, stream, aengine, ctx) -> web.Response:
         if ev.finish_reason is not None:
             if ev.finish_reason == "abort":
                 raise APIError("the request was aborted", 500, type_="internal_server_error")
-            body = protocol.full_response(req, protocol.new_id(req.chat), ev.text, ids, lps, tops,
-                                          ev.finish_reason, ctx.tokenizer)
-            return web.json_response(body)
+            return protocol.Output(ev.text, ids, lps, tops, ev.finish_reason)
 
 
 def _sse(obj) -> bytes:
@@ -323,14 +328,17 @@ def build_app(aengine: AsyncEngine, ctx: protocol.ServingContext, policy: Access
 
 def make_app(model, model_name: str | None = None, extra_names=(), policy: AccessPolicy | None = None,
              max_body_bytes: int = MAX_BODY_BYTES, engine=None,
-             precompile: bool = False) -> tuple[web.Application, AsyncEngine]:
+             precompile: bool = False, generation_config: str = "auto") -> tuple[web.Application, AsyncEngine]:
     """The app and its (started) AsyncEngine for a loaded moejax Model, driving ``engine`` (default:
     the model's; a multi-process server's process 0 passes its LeaderEngine). ``precompile``: the engine
-    compiles every program before it serves (/health 503 "starting" until then)."""
+    compiles every program before it serves (/health 503 "starting" until then). ``generation_config``:
+    "auto" (the checkpoint's generation_config.json sampling defaults), "vllm" (none) or a directory."""
     name = model_name or model.source_dir
     names = tuple(dict.fromkeys([name, *extra_names, model.source_dir]))
+    defaults = protocol.generation_defaults(model.source_dir if generation_config == "auto" else generation_config)
     aengine = AsyncEngine(engine if engine is not None else model.engine, name, precompile=precompile).start()
-    ctx = protocol.ServingContext(names, model.tokenizer, model.max_model_len, model.config.model.vocab_size)
+    ctx = protocol.ServingContext(names, model.tokenizer, model.max_model_len, model.config.model.vocab_size,
+                                  defaults)
     app = build_app(aengine, ctx, policy, max_body_bytes)
 
     async def _cleanup(_app):

@@ -84,6 +84,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--allowed-origins", default="",
                     help="comma list of browser origins allowed by CORS (e.g. http://localhost:3000, or *); "
                          "default none: cross-origin requests are refused")
+    ap.add_argument("--chat-template", help="a Jinja chat template (a file, or the text) in place of the tokenizer's")
+    ap.add_argument("--generation-config", default="auto",
+                    help="auto: the checkpoint's generation_config.json sampling defaults; vllm: none; or a directory")
     ap.add_argument("--max-request-mb", type=float, default=32.0, help="request bodies above this get 413")
     ap.add_argument("--peer-timeout", type=float, default=10.0,
                     help="multi-process: seconds without a heartbeat after which process 0 declares another "
@@ -164,11 +167,14 @@ def main(argv=None, prog: str | None = None) -> int:
     if multi and not processes.is_leader():
         return follow_leader(path, kw, a.precompile)
     model = moejax.load(path, **kw)
+    if a.chat_template:
+        model.tokenizer.set_chat_template(a.chat_template)
     engine = LeaderEngine(model.engine, StepChannel()) if multi else None
     origins = tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip())
     policy = AccessPolicy(api_key=a.api_key or None, allowed_origins=origins, bind_host=a.host)
     app, aengine = make_app(model, name or a.model, extra_names=(a.model,) if a.model else (), policy=policy,
-                            max_body_bytes=int(a.max_request_mb * (1 << 20)), engine=engine, precompile=a.precompile)
+                            max_body_bytes=int(a.max_request_mb * (1 << 20)), engine=engine, precompile=a.precompile,
+                            generation_config=a.generation_config)
     if multi:
         peer_watch.watch(aengine.fail, a.peer_timeout)
     print(f"Serving {name or a.model} on http://{a.host}:{a.port}  (max_model_len={model.max_model_len}, "
@@ -308,8 +314,10 @@ def serve_disaggregated(a: argparse.Namespace, path: str, name: str) -> int:
     try:
         router = Router(prefill, decode, name)
         names = tuple(dict.fromkeys([name, *((a.model,) if a.model else ()), path]))
-        ctx = protocol.ServingContext(names, Tokenizer(tokenizer_source(path, a.load_format)),
-                                      max_len, vocab)
+        tokenizer = Tokenizer(tokenizer_source(path, a.load_format))
+        if a.chat_template:
+            tokenizer.set_chat_template(a.chat_template)
+        ctx = protocol.ServingContext(names, tokenizer, max_len, vocab)
         origins = tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip())
         policy = AccessPolicy(api_key=a.api_key or None, allowed_origins=origins, bind_host=a.host)
         app = build_app(router, ctx, policy, int(a.max_request_mb * (1 << 20)))

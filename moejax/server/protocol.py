@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 import uuid
 
 from pydantic import ValidationError
 
 from moejax.engine.sampling_params import SamplingParams
+from moejax.json_file import load_json_file
 from moejax.server import schemas
 
 class APIError(Exception):
@@ -36,6 +38,7 @@ class ServingContext:
     tokenizer: object
     max_model_len: int
     vocab_size: int
+    defaults: dict = dataclasses.field(default_factory=dict)  # generation_config.json's: generation_defaults()
 
     @property
     def max_prompt_chars(self) -> int:
@@ -43,10 +46,34 @@ class ServingContext:
         return self.max_model_len * max(getattr(self.tokenizer, "max_token_chars", 64), 1)
 
 
+# generation_config.json keys the server applies (vLLM's --generation-config auto), and those it refuses
+# to start with unless neutral: a default it could not apply would change every request silently
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
+_GENERATION_NEUTRAL = {"repetition_penalty": 1, "min_p": 0, "presence_penalty": 0, "frequency_penalty": 0}
+
+
+def generation_defaults(source: str | None) -> dict:
+    """The sampling defaults of requests that omit them: ``source`` "auto" or a directory holding a
+    generation_config.json (absent: none), "vllm" none (vLLM's spellings of --generation-config)."""
+    if source in (None, "vllm"):
+        return {}
+    path = os.path.join(source, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    cfg = load_json_file(path, "generation_config.json")
+    for key, neutral in _GENERATION_NEUTRAL.items():
+        if cfg.get(key, neutral) != neutral:
+            raise ValueError(f"{path} sets {key}={cfg[key]!r}, which this server cannot apply yet; serve with "
+                             "--generation-config vllm to use only the requests' values")
+    out = {k: cfg[k] for k in _GENERATION_KEYS if cfg.get(k) is not None}
+    SamplingParams(**out)  # a ValueError naming the key at start-up, not at every request
+    return out
+
+
 @dataclasses.dataclass
 class ParsedRequest:
     chat: bool
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # one for chat; a completion's list of prompts (stream: false), one choice each
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -56,6 +83,11 @@ class ParsedRequest:
     top_logprobs: int = 0  # alternatives per token (completions: logprobs N, chat: top_logprobs N)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens shown as "token_id:<id>"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt of a single-prompt request (every chat, every stream)."""
+        return self.prompts[0]
 
 
 def check_model(model: str | None, ctx: ServingContext) -> str:
@@ -70,24 +102,32 @@ def _check_chars(n_chars: int, ctx: ServingContext, what: str) -> None:
                        f"has {n_chars} characters, more than {ctx.max_model_len} tokens can hold.", param=what)
 
 
-def _prompt_ids(p, ctx: ServingContext, add_special_tokens: bool = True) -> list[int]:
-    if p is None:
-        raise APIError("'prompt' is required", param="prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one prompt
+MAX_PROMPTS = 1024  # prompts in one completion request (lm-eval sends its --batch_size)
+
+
+def _prompt_ids(p, ctx: ServingContext, add_special_tokens: bool, what: str) -> list[int]:
     if isinstance(p, str):
         _check_chars(len(p), ctx, "prompt")
         ids = ctx.tokenizer.encode(p, add_special_tokens=add_special_tokens)
-    elif all(isinstance(t, int) for t in p):
-        ids = list(p)
     else:
-        raise APIError("only one prompt per request is supported; send several requests", param="prompt")
+        ids = list(p)
     if not ids:
-        raise APIError("'prompt' must not be empty", param="prompt")
+        raise APIError(f"'{what}' must not be empty", param="prompt")
     bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
     if bad:
-        raise APIError(f"prompt token ids must lie in [0, {ctx.vocab_size}); got {bad[0]}", param="prompt")
+        raise APIError(f"{what} token ids must lie in [0, {ctx.vocab_size}); got {bad[0]}", param="prompt")
     return ids
+
+
+def _prompt_list(p, ctx: ServingContext, add_special_tokens: bool) -> list[list[int]]:
+    """A completion's prompt (a string, token ids, or a list of either) -> one id list a prompt."""
+    if p is None:
+        raise APIError("'prompt' is required", param="prompt")
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):  # a batch of prompts
+        if len(p) > MAX_PROMPTS:
+            raise APIError(f"at most {MAX_PROMPTS} prompts in one request, got {len(p)}", param="prompt")
+        return [_prompt_ids(x, ctx, add_special_tokens, f"prompt[{i}]") for i, x in enumerate(p)]
+    return [_prompt_ids(p, ctx, add_special_tokens, "prompt")]
 
 
 def _content_text(content, i: int) -> str:
@@ -157,12 +197,15 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         logprobs, top_n = body.logprobs is not None, body.logprobs or 0
 
     if chat:
-        ids = _chat_prompt_ids(body, ctx)
+        prompts = [_chat_prompt_ids(body, ctx)]
     else:
-        ids = _prompt_ids(body.prompt, ctx, add_special_tokens=body.add_special_tokens is not False)
+        prompts = _prompt_list(body.prompt, ctx, add_special_tokens=body.add_special_tokens is not False)
     if body.truncate_prompt_tokens is not None:
-        ids = ids[-body.truncate_prompt_tokens:]  # vLLM's rule: the last N tokens
-    n = len(ids)
+        prompts = [ids[-body.truncate_prompt_tokens:] for ids in prompts]  # vLLM's rule: the last N tokens
+    if body.stream and len(prompts) > 1:
+        raise APIError("a list of prompts cannot be streamed (stream: false, or one request a prompt)",
+                       param="prompt")
+    n = max(len(ids) for ids in prompts)  # the longest prompt bounds max_tokens
     what = "messages" if chat else "prompt"
     if n >= ctx.max_model_len:
         raise APIError(f"This model's maximum context length is {ctx.max_model_len} tokens. However, your "
@@ -173,7 +216,7 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         key, max_tokens = "max_completion_tokens", body.max_completion_tokens
     room = ctx.max_model_len - n
     if max_tokens is None:
-        max_tokens = room if chat else min(16, room)
+        max_tokens = min(ctx.defaults.get("max_new_tokens", room if chat else 16), room)
     elif max_tokens < 1:
         raise APIError(f"'{key}' must be at least 1, got {max_tokens}", param=key)
     elif max_tokens > room:
@@ -184,9 +227,9 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     kw = dict(
         max_new_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
+        temperature=ctx.defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
+        top_p=ctx.defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
+        top_k=ctx.defaults.get("top_k", 0) if body.top_k is None else body.top_k,
         seed=body.seed,
         stop=[x for x in stop if x],
         stop_token_ids=body.stop_token_ids or [],
@@ -201,7 +244,7 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         field = msg.split(" ", 1)[0]
         raise APIError(msg, param=field if field in body.model_fields_set else None) from None
     so = body.stream_options
-    return ParsedRequest(chat, ids, params, body.stream, so.include_usage if so else False, logprobs,
+    return ParsedRequest(chat, prompts, params, body.stream, so.include_usage if so else False, logprobs,
                          body.return_token_ids, model, top_n, body.return_tokens_as_token_ids,
                          so.continuous_usage_stats if so else False)
 
@@ -319,21 +362,35 @@ def logprobs_object(req: ParsedRequest, tokenizer, token_ids: list[int], lps: li
     return chat_logprobs(toks, lps, alts) if req.chat else completion_logprobs(toks, lps, alts, text_offset)
 
 
-def full_response(req: ParsedRequest, rid: str, text: str, token_ids: list[int], lps: list[float] | None,
-                  tops: list | None, finish_reason: str, tokenizer) -> dict:
-    lp_obj = None
-    if req.logprobs:
-        lp_obj = logprobs_object(req, tokenizer, token_ids, lps or [], tops)
-    if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp_obj,
-                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": lp_obj, "finish_reason": finish_reason}
-    if req.return_token_ids:
-        choice["token_ids"] = list(token_ids)
+@dataclasses.dataclass
+class Output:
+    """One prompt's finished generation."""
+    text: str
+    token_ids: list[int]
+    lps: list[float] | None
+    tops: list | None
+    finish_reason: str
+
+
+def full_response(req: ParsedRequest, rid: str, outputs: list[Output], tokenizer) -> dict:
+    """The non-streaming body: one choice a prompt (``outputs`` in the order of req.prompts)."""
+    choices = []
+    for i, o in enumerate(outputs):
+        lp_obj = logprobs_object(req, tokenizer, o.token_ids, o.lps or [], o.tops) if req.logprobs else None
+        if req.chat:
+            choice = {"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": lp_obj,
+                      "finish_reason": o.finish_reason}
+        else:
+            choice = {"index": i, "text": o.text, "logprobs": lp_obj, "finish_reason": o.finish_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = list(o.token_ids)
+            if len(outputs) > 1:
+                choice["prompt_token_ids"] = list(req.prompts[i])
+        choices.append(choice)
+    n_prompt, n_out = sum(len(p) for p in req.prompts), sum(len(o.token_ids) for o in outputs)
     out = {"id": rid, "object": "chat.completion" if req.chat else "text_completion", "created": int(time.time()),
-           "model": req.model, "choices": [choice], "usage": usage(len(req.prompt_ids), len(token_ids))}
-    if req.return_token_ids:
+           "model": req.model, "choices": choices, "usage": usage(n_prompt, n_out)}
+    if req.return_token_ids and len(outputs) == 1:
         out["prompt_token_ids"] = list(req.prompt_ids)
     return out
 
