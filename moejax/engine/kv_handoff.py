@@ -104,10 +104,8 @@ def take_prefilled(engine, seq: Sequence) -> PrefilledRequest:
     runner = engine.runner
     rows = runner.export_rows(runner.slots(seq.block_table, np.arange(n)), seq.dp_rank)
     rows.block_until_ready()  # read before the freed blocks can be written again by a later step
-    drafts = runner.spec.drafts.get(seq) if runner.spec is not None else None
     req = PrefilledRequest(list(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.seed, seq.request_id,
-                           list(seq.logprobs), list(seq.top_logprobs), n, rows,
-                           [] if drafts is None else [int(t) for t in drafts])
+                           list(seq.logprobs), list(seq.top_logprobs), n, rows, runner.proposer.export_drafts(seq))
     seq.finish_reason = "handoff"
     engine.scheduler.finish(seq)  # blocks freed; its full blocks stay prefix-cache hits
     return req
@@ -115,10 +113,7 @@ def take_prefilled(engine, seq: Sequence) -> PrefilledRequest:
 
 def can_add(engine, req: PrefilledRequest) -> bool:
     """Whether ``engine`` has a sequence slot and blocks for the request now."""
-    sch = engine.scheduler
-    if len(sch.running) + len(sch.prefilling) >= sch.max_num_seqs:
-        return False
-    return engine.blocks.can_allocate(Sequence(req.token_ids, req.params, req.seed))
+    return engine.scheduler.can_admit_prefilled(Sequence(req.token_ids, req.params, req.seed))
 
 
 def check_fits(engine, req: PrefilledRequest) -> None:
@@ -168,29 +163,19 @@ def add_prefilled(engine, req: PrefilledRequest) -> Sequence:
     seq = Sequence(req.token_ids, req.params, req.seed, req.request_id)
     seq.num_prompt_tokens = req.num_prompt_tokens
     seq.logprobs, seq.top_logprobs = list(req.logprobs), list(req.top_logprobs)
-    sch = engine.scheduler
-    hit = engine.blocks.allocate(seq)  # blocks for every token (the last one's row comes with its decode step)
-    sch.prefix_cache_queries += len(seq)
-    sch.prefix_cache_hits += hit
-    if hit < req.num_rows:
-        slots = runner.slots(seq.block_table, np.arange(req.num_rows))
-        slots[:hit] = runner.num_slots  # the cached prefix's rows are there already: dropped, not rewritten
-        rows = req.rows
-        if rows.shape[0] > runner.cache.shape[1]:  # a speculative prefill side's MTP rows: not used here
-            rows = rows[:runner.cache.shape[1]]
-        try:
+
+    def fill(hit: int) -> None:  # blocks for every token (the last one's row comes with its decode step)
+        if hit < req.num_rows:
+            slots = runner.slots(seq.block_table, np.arange(req.num_rows))
+            slots[:hit] = runner.num_slots  # the cached prefix's rows are there already: dropped, not rewritten
+            rows = req.rows
+            if rows.shape[0] > runner.cache.shape[1]:  # a speculative prefill side's MTP rows: not used here
+                rows = rows[:runner.cache.shape[1]]
             runner.import_rows(slots, rows, seq.dp_rank)
-        except Exception:
-            engine.blocks.deallocate(seq)  # nothing of it is left behind
-            raise
-    seq.num_cached_tokens = req.num_rows
-    if runner.spec is not None and req.drafts:
+        seq.num_cached_tokens = req.num_rows
         # The prefill side's first drafts (the decode step caps them to its k and the sequence's blocks).
         # Without them the first step verifies no draft: the non-speculative step.
-        d = np.asarray(req.drafts[:runner.spec.k], np.int32)
-        if ((d >= 0) & (d < runner.cfg.vocab_size)).all():
-            runner.spec.drafts[seq] = d
-    seq.status = Status.RUNNING
-    sch.running.append(seq)
-    engine.blocks.cache_computed(seq)  # its full prompt blocks become prefix-cache hits here too
+        runner.proposer.import_drafts(seq, req.drafts)
+
+    engine.scheduler.admit_prefilled(seq, fill)
     return seq

@@ -36,12 +36,13 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from tqdm.auto import tqdm
 
-from moejax import kernel_selection
+from moejax.kernels import decode_tables
 from moejax.config import EngineConfig
 from moejax.executable_cache import ExecutableCache, PrecompiledFunction
 from moejax.engine import executable_set
 from moejax.engine.buckets import Buckets, next_pow2, powers_of_two, token_bucket
 from moejax.engine.sequence import Sequence
+from moejax.engine.proposer import Proposer
 from moejax.engine.speculative import SpecDecoder
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
 from moejax.layers.sampler import MAX_TOP_LOGPROBS, SampleMode, sample
@@ -157,15 +158,11 @@ class ModelRunner:
         self.last_prefill_tokens = 0  # tokens per rank the last prefill step computed, padding included
         cache_dtype = cache_array_dtype(config.cache.kv_cache_dtype, config.dtype, config.kernels)
         self.buckets = Buckets(self.max_num_seqs, config.scheduler.max_prefill_tokens, self.max_blocks_per_seq,
-                               kernel_selection.decode_reads_whole_table(cfg, cache_dtype, config.kernels))
-        # Speculative decoding (engine/speculative.py): its prefill bodies also write the MTP layer's rows.
-        self.spec = SpecDecoder(self, config.num_speculative_tokens) if config.speculative else None
-        self._prefill = self._compile(self.spec.packed_prefill_rank if self.spec else self._prefill_rank, "prefill",
-                                      with_cache=True)
-        self._prefill_paged = self._compile(self.spec.paged_prefill_rank if self.spec else self._prefill_paged_rank,
-                                            "prefill_paged", with_cache=True)
-        self._decode = self._compile(self._decode_rank, "decode", with_cache=True)
-        self._score = self._compile(self._score_rank, "score", with_cache=False)
+                               decode_tables.decode_reads_whole_table(cfg, cache_dtype, config.kernels))
+        self._prefill = self.compile_step(self._prefill_rank, "prefill")
+        self._prefill_paged = self.compile_step(self._prefill_paged_rank, "prefill_paged")
+        self._decode = self.compile_step(self._decode_rank, "decode")
+        self._score = self.compile_step(self._score_rank, "score", with_cache=False)
         self._sample = self._compile_sample()
         # Decode input tokens live here whether the host or the step in flight (feed) gives them: one
         # sharding, so the decode step is one program for both.
@@ -194,6 +191,35 @@ class ModelRunner:
         self._import = PrecompiledFunction(
             jax.jit(import_, donate_argnums=(0,), **self._one_device()) if mesh is None else
             jax.jit(import_, donate_argnums=(0,), out_shardings=NamedSharding(mesh, RANK)), "import_rows")
+        # The runner's one seam for draft tokens (engine/proposer.py); speculative decoding (engine/speculative.py)
+        # registers its programs and prefill bodies (which also write the MTP layer's rows) through it.
+        self.proposer: Proposer = SpecDecoder(self, config.num_speculative_tokens) if config.speculative else Proposer()
+
+    @property
+    def spec(self) -> SpecDecoder | None:
+        """The speculative decoder, None without speculation (what the engine steps differently)."""
+        return self.proposer if isinstance(self.proposer, SpecDecoder) else None
+
+    # ----- the step API a proposer uses ---------------------------------------
+    def bound_model(self, params, routing):
+        """The model inside a step body, bound to its parameters and routing: ``model(*args, method=...)``;
+        with ``counted=True`` (out, expert counts, dispatched): the MoE statistics the step records."""
+        return functools.partial(self._call_model, self._vars(params, routing))
+
+    def _call_model(self, v, *args, method: str, counted: bool = False):
+        return self._apply_counted(v, *args, method=method) if counted else self.module.apply(v, *args, method=method)
+
+    def set_prefill_bodies(self, packed, paged) -> None:
+        """Per-rank bodies in place of the runner's packed and paged prefill (same inputs, then the proposer's
+        ``prefill_inputs``; same outputs, then its own, handed to ``after_prefill``)."""
+        self._prefill = self.compile_step(packed, "prefill")
+        self._prefill_paged = self.compile_step(paged, "prefill_paged")
+
+    def run_step(self, program, *args) -> list:
+        """Runs a compiled step (``compile_step``) on the parameters, routing and cache (donated, updated in
+        place) and ``args``; its outputs after the cache."""
+        self.cache, *outs = program(self.params, self.routing, self.cache, *args)
+        return outs
 
     def _vars(self, params, routing):
         return {"params": params, "routing": routing}
@@ -243,7 +269,7 @@ class ModelRunner:
         (h, _), _, _ = self._apply_counted(v, tokens, positions, jnp.full((B,), S, jnp.int32), method="prefill")
         return (self.module.apply(v, h, method="logits"),)
 
-    def _compile(self, rank_fn, name: str, with_cache: bool):
+    def compile_step(self, rank_fn, name: str, with_cache: bool = True):
         """jit (and, on a mesh, shard_map) a per-rank body over inputs with a leading rank axis."""
         def per_rank(params, routing, *args):
             self.trace_counts[name] += 1
@@ -317,11 +343,11 @@ class ModelRunner:
         traced (the outputs' shapes), nothing compiled: ``precompile`` compiles them, and its total is this
         list's length."""
         N, i32 = self.num_ranks, self.rank_arrays
-        decode = (self.spec.decode_programs() if self.spec else
-                  [self.step_program(f"decode B={B} W={W}", self._decode, self.abstract((N, B), jnp.int32),
+        own_decode = self.proposer.own_decode
+        decode = ([self.step_program(f"decode B={B} W={W}", self._decode, self.abstract((N, B), jnp.int32),
                                      i32(B), i32(B), i32(B, W), i32(B), sample_rows=B)
-                   for B, W in self.buckets.decode_shapes()])
-        extra = self.spec.prefill_inputs if self.spec else lambda *shape: ()
+                   for B, W in self.buckets.decode_shapes()] if own_decode else self.proposer.decode_programs())
+        extra = self.proposer.prefill_input_shapes
         prefill = [self.step_program(f"prefill T={T} B={B}", self._prefill, i32(T), i32(T), i32(B + 1), i32(T),
                                      *extra(T), sample_rows=B) for T, B in self.buckets.packed_shapes()]
         paged = [self.step_program(f"prefill_paged B={B} S={S}", self._prefill_paged, i32(B, S), i32(B, S), i32(B),
@@ -337,9 +363,9 @@ class ModelRunner:
                           (sds, *self._sampling_arrays([[]] * N, rows), i32(rows), m))
                   for rows, sds in logits.items() for m in SampleMode.all()]
         prev = self.abstract((N, self.buckets.max_decode_batch), jnp.int32)
-        feed = [] if self.spec else [Program(f"feed B={B}", self._feed, (prev, i32(B), i32(B)))
-                                     for B in sorted({b for b, _ in self.buckets.decode_shapes()})]
-        own = self.spec.programs_after(decode, prefill) if self.spec else []
+        feed = [Program(f"feed B={B}", self._feed, (prev, i32(B), i32(B)))
+                for B in sorted({b for b, _ in self.buckets.decode_shapes()})] if own_decode else []
+        own = self.proposer.programs_after(decode, prefill)
         rows = []
         for P in powers_of_two(next_pow2(self.max_model_len, 16), 16):
             slots = np.zeros(P, np.int32)
@@ -395,11 +421,19 @@ class ModelRunner:
         return {"programs": total, "seconds": time.perf_counter() - t0}
 
     # ----- host-side batching ---------------------------------------------
-    def _by_rank(self, seqs: list[Sequence]) -> tuple[list[list[Sequence]], int]:
+    def by_rank(self, seqs: list[Sequence]) -> tuple[list[list[Sequence]], int]:
         ranks = [[] for _ in range(self.num_ranks)]
         for s in seqs:
             ranks[s.dp_rank].append(s)
         return ranks, max(len(r) for r in ranks)
+
+    def sample_logits(self, logits, ranks: list[list[Sequence]], B: int, positions, rows_per_seq: int = 1):
+        """The sampler over a step's logits [N, B x rows_per_seq, V] of ``ranks``' sequences (each row at its
+        own position of ``positions``, with its sequence's parameters); sample()'s outputs on the device."""
+        arrays = self._sampling_arrays(ranks, B)
+        if rows_per_seq > 1:
+            arrays = [np.repeat(a, rows_per_seq, axis=1) for a in arrays]
+        return self._sample(logits, *arrays, positions, SampleMode.of(s.params for rs in ranks for s in rs))
 
     def _sampling_arrays(self, ranks: list[list[Sequence]], B: int):
         N = self.num_ranks
@@ -473,29 +507,23 @@ class ModelRunner:
 
     def _prefill_group(self, seqs: list[Sequence], paged: bool) -> StepOutput:
         """One prefill program over ``seqs`` (they fit one bucket: buckets.split_*), then the sampler."""
-        ranks, per_rank = self._by_rank(seqs)
+        ranks, per_rank = self.by_rank(seqs)
         if paged:
             S = self.buckets.paged_len(max(s.num_new_tokens for s in seqs))
             B = self.buckets.paged(per_rank, S)
             args = self._paged_arrays(ranks, B, S)
             positions = args[3]  # each chunk's context length: its sampled token's position
-            extra = self.spec.paged_extra(ranks, args) if self.spec else ()
-            self.cache, logits, counts, dispatched, *last = self._prefill_paged(self.params, self.routing, self.cache,
-                                                                                *args, *extra)
         else:
             T, B = self.buckets.packed(max(sum(s.num_new_tokens for s in rs) for rs in ranks))
             args = self._packed_arrays(ranks, B, T)
             positions = np.diff(args[2], axis=1)  # each prompt's length
-            extra = self.spec.packed_extra(ranks, args) if self.spec else ()
-            self.cache, logits, counts, dispatched, *last = self._prefill(self.params, self.routing, self.cache,
-                                                                          *args, *extra)
-        self._record(counts, dispatched)
-        sampled = self._sample(logits, *self._sampling_arrays(ranks, B), positions,
-                               SampleMode.of(s.params for s in seqs))
+        logits, counts, dispatched, *more = self.run_step(self._prefill_paged if paged else self._prefill, *args,
+                                                          *self.proposer.prefill_inputs(ranks, args, paged))
+        self.record_stats(counts, dispatched)
+        sampled = self.sample_logits(logits, ranks, B, positions)
         where = {s.seq_id: (r, i) for r, rs in enumerate(ranks) for i, s in enumerate(rs)}
         out = self._gather(where, sampled, seqs)
-        if self.spec:
-            self.spec.after_prefill(ranks, B, last[0], sampled[0])
+        self.proposer.after_prefill(ranks, B, more, sampled[0])
         return out
 
     def _packed_arrays(self, ranks: list[list[Sequence]], B: int, T: int):
@@ -548,7 +576,7 @@ class ModelRunner:
         with a token pending from ``prev`` (the step still in flight) is fed that token on the device,
         at the position after it; positions, slots and block tables are the host's, since each step
         grows a sequence by exactly one token."""
-        ranks, per_rank = self._by_rank(seqs)
+        ranks, per_rank = self.by_rank(seqs)
         N, B = self.num_ranks, self.buckets.decode_batch(per_rank)
         nb = self.buckets.decode_width(max(len(s.block_table) for s in seqs))
         # Built with whole-array NumPy from one pass of list comprehensions: a Python loop setting
@@ -581,11 +609,9 @@ class ModelRunner:
             tokens = self._feed(prev.toks, rows, tokens)
         else:  # committed as the fed tokens are: one program for both
             tokens = jax.device_put(tokens, self._tok_sharding)
-        self.cache, logits, counts, dispatched = self._decode(self.params, self.routing, self.cache, tokens,
-                                                              positions, slots, tables, lens)
-        self._record(counts, dispatched)
-        sampled = self._sample(logits, *self._sampling_arrays(ranks, B), lens,
-                               SampleMode.of(s.params for s in seqs))
+        logits, counts, dispatched = self.run_step(self._decode, tokens, positions, slots, tables, lens)
+        self.record_stats(counts, dispatched)
+        sampled = self.sample_logits(logits, ranks, B, lens)
         for s in seqs:
             s.num_pending_tokens += 1
         return DecodeStep(list(seqs), sampled, index)
@@ -635,7 +661,7 @@ class ModelRunner:
             rows = jax.device_put(rows, NamedSharding(self.mesh, REPLICATED))
         self.cache = self._import(self.cache, np.int32(rank), padded, rows)
 
-    def _record(self, counts, dispatched):
+    def record_stats(self, counts, dispatched):
         """Keeps the last step's expert statistics, on the device: the balancer reads them in batches,
         so no step waits on a device-to-host copy for them."""
         self.last_expert_counts = counts  # [ranks, L_moe, E]: tokens of each source rank

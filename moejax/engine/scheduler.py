@@ -25,6 +25,7 @@ cache too small for the load cannot keep one request from ever finishing.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from moejax.engine.block_manager import BlockManager
 from moejax.engine.scheduling_policy import DEFAULT, SchedulingPolicy
@@ -108,7 +109,7 @@ class Scheduler:
         if self.prefilling:
             seq = self.prefilling[0]
             return min(len(seq) - seq.num_cached_tokens, self.max_prefill_tokens)
-        if not self.waiting or len(self.running) + len(self.prefilling) >= self.max_num_seqs:
+        if not self.waiting or not self.has_slot():
             return None
         cached = self.blocks.cached_tokens(self.waiting[0])
         return None if cached is None else min(len(self.waiting[0]) - cached, self.max_prefill_tokens)
@@ -125,8 +126,7 @@ class Scheduler:
             seq.num_new_tokens = chunk
             budget -= chunk
             batch.append(seq)
-        while self.waiting and budget > 0 and \
-                len(self.running) + len(self.prefilling) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self.has_slot():
             seq = self.waiting[0]
             if batch and len(seq) > budget:  # the whole prompt, or wait for the next step
                 break
@@ -136,15 +136,42 @@ class Scheduler:
             if not self.policy.admits(decoding, self.max_prefill_tokens - budget, min(len(seq) - cached, budget)):
                 break
             self.waiting.popleft()
-            hit = self.blocks.allocate(seq)
-            self.prefix_cache_queries += len(seq)
-            self.prefix_cache_hits += hit
+            self._allocate(seq)
             seq.status = Status.RUNNING
             seq.num_new_tokens = min(len(seq) - seq.num_cached_tokens, budget)
             budget -= seq.num_new_tokens
             self.prefilling.append(seq)
             batch.append(seq)
         return batch
+
+    def has_slot(self) -> bool:
+        """Whether one more sequence may be admitted (prefilling and decoding ones count)."""
+        return len(self.running) + len(self.prefilling) < self.max_num_seqs
+
+    def _allocate(self, seq: Sequence) -> int:
+        """Blocks for ``seq`` (its longest cached prefix shared), counted in the prefix-cache metrics; the hit."""
+        hit = self.blocks.allocate(seq)
+        self.prefix_cache_queries += len(seq)
+        self.prefix_cache_hits += hit
+        return hit
+
+    def can_admit_prefilled(self, seq: Sequence) -> bool:
+        """Whether a sequence another engine prefilled (engine/kv_handoff.py) has a slot and blocks here now."""
+        return self.has_slot() and self.blocks.can_allocate(seq)
+
+    def admit_prefilled(self, seq: Sequence, fill: Callable[[int], None]) -> None:
+        """Admits a sequence another engine prefilled straight to the decode queue: blocks for every token
+        (allocated and counted as a prefill's admission), then ``fill(hit)`` writes its rows after the
+        cached prefix of ``hit`` tokens and sets what is cached; if ``fill`` raises, nothing of it is left."""
+        hit = self._allocate(seq)
+        try:
+            fill(hit)
+        except Exception:
+            self.blocks.deallocate(seq)
+            raise
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self.blocks.cache_computed(seq)  # its full prompt blocks become prefix-cache hits here too
 
     def prefilled(self, done: list[Sequence]) -> None:
         """After a prefill step, before their sampled tokens are appended: the sequences whose

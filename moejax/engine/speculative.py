@@ -41,18 +41,14 @@ scheduling's overlap does not apply to them).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
+from moejax.engine.proposer import Proposer
 from moejax.engine.sequence import Sequence
-from moejax.layers.sampler import SampleMode
 from moejax.parallel.processes import to_host
-from moejax.parallel.sharding import RANK
 
 
 @dataclasses.dataclass
@@ -66,14 +62,19 @@ class SpecStepOutput:
     accepted_per_pos: np.ndarray | None = None  # [k]: drafts accepted at each position
 
 
-class SpecDecoder:
+class SpecDecoder(Proposer):
+    """The MTP proposer (engine/proposer.py): its programs and prefill bodies registered through the runner's
+    step API; every decode step a verify (``decode``, run by the engine)."""
+    own_decode = False
+
     def __init__(self, runner, k: int):
         self.runner, self.k, self.R = runner, k, k + 1
         self.drafts: weakref.WeakKeyDictionary[Sequence, np.ndarray] = weakref.WeakKeyDictionary()
         self.draft_override = None  # tests: fn(seq) -> k draft tokens, in place of the MTP's
-        self._verify = runner._compile(self._verify_rank, "spec_verify", with_cache=True)
-        self._draft = runner._compile(self._draft_rank, "spec_draft", with_cache=True)
-        self._draft_first = runner._compile(self._draft_first_rank, "spec_draft_first", with_cache=True)
+        self._verify = runner.compile_step(self._verify_rank, "spec_verify")
+        self._draft = runner.compile_step(self._draft_rank, "spec_draft")
+        self._draft_first = runner.compile_step(self._draft_first_rank, "spec_draft_first")
+        runner.set_prefill_bodies(self.packed_prefill_rank, self.paged_prefill_rank)
 
     # ----- per-rank compiled bodies ------------------------------------------
     def packed_prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots, next_tokens,
@@ -81,32 +82,32 @@ class SpecDecoder:
         """The runner's packed prefill, then the MTP layer's rows of the stream (next_tokens: each row's
         following token; mtp_slots drop a prompt's last row, whose following token is not sampled yet)."""
         r = self.runner
-        v = r._vars(params, routing)
-        (h, cache), counts, dispatched = r._apply_counted(v, tokens, positions, None, cache, slots, None, None,
-                                                          None, cu_seqlens, method="prefill")
-        _, cache = r.module.apply(v, next_tokens, positions, h, None, cache, mtp_slots, None, None, None,
-                                  cu_seqlens, method="mtp_hidden")
+        model = r.bound_model(params, routing)
+        (h, cache), counts, dispatched = model(tokens, positions, None, cache, slots, None, None, None, cu_seqlens,
+                                               method="prefill", counted=True)
+        _, cache = model(next_tokens, positions, h, None, cache, mtp_slots, None, None, None, cu_seqlens,
+                         method="mtp_hidden")
         last = h[jnp.maximum(cu_seqlens[1:] - 1, 0)]
-        return cache, r.module.apply(v, last, method="logits"), counts, dispatched, last
+        return cache, model(last, method="logits"), counts, dispatched, last
 
     def paged_prefill_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots,
                            block_tables, next_tokens, mtp_slots):
         r = self.runner
-        v = r._vars(params, routing)
-        (h, cache), counts, dispatched = r._apply_counted(v, tokens, positions, seq_lens, cache, slots,
-                                                          block_tables, ctx_lens, r.block_size, method="prefill")
-        _, cache = r.module.apply(v, next_tokens, positions, h, seq_lens, cache, mtp_slots, block_tables, ctx_lens,
-                                  r.block_size, method="mtp_hidden")
+        model = r.bound_model(params, routing)
+        (h, cache), counts, dispatched = model(tokens, positions, seq_lens, cache, slots, block_tables, ctx_lens,
+                                               r.block_size, method="prefill", counted=True)
+        _, cache = model(next_tokens, positions, h, seq_lens, cache, mtp_slots, block_tables, ctx_lens, r.block_size,
+                         method="mtp_hidden")
         last = h[jnp.arange(tokens.shape[0]), jnp.maximum(seq_lens - 1, 0)]
-        return cache, r.module.apply(v, last, method="logits"), counts, dispatched, last
+        return cache, model(last, method="logits"), counts, dispatched, last
 
     def _verify_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens):
         """The decode body over B x (k+1) rows, also returning the hidden states the MTP layer takes."""
         r = self.runner
-        v = r._vars(params, routing)
-        (h, cache), counts, dispatched = r._apply_counted(v, tokens, positions, cache, slots, block_tables,
-                                                          jnp.maximum(seq_lens, 1), r.block_size, method="decode")
-        return cache, r.module.apply(v, h, method="logits"), counts, dispatched, h
+        model = r.bound_model(params, routing)
+        (h, cache), counts, dispatched = model(tokens, positions, cache, slots, block_tables,
+                                               jnp.maximum(seq_lens, 1), r.block_size, method="decode", counted=True)
+        return cache, model(h, method="logits"), counts, dispatched, h
 
     def _slot(self, tables, pos, capacity):
         """Cache slots of positions pos [B, ...] through tables [B, W]; past the sequence's blocks: dropped."""
@@ -116,18 +117,18 @@ class SpecDecoder:
         slot = jnp.where(flat < capacity[:, None], blk * bs + flat % bs, self.runner.num_slots)
         return slot.reshape(pos.shape)
 
-    def _chain(self, v, cache, m, pos, tables, capacity):
+    def _chain(self, model, cache, m, pos, tables, capacity):
         """Drafts 1..k from the MTP hidden state m [B, H] of position pos [B] (what predicts pos + 2):
         the first from its head, the rest by running the MTP layer on its own output and draft."""
         r = self.runner
-        d = jnp.argmax(r.module.apply(v, m, method="mtp_logits"), axis=-1).astype(jnp.int32)
+        d = jnp.argmax(model(m, method="mtp_logits"), axis=-1).astype(jnp.int32)
         out = [d]
         for i in range(1, self.k):
             p = pos + i
             lens = jnp.maximum(jnp.minimum(p + 1, capacity), 1)
-            m, cache = r.module.apply(v, d, p, m, cache, self._slot(tables, p, capacity), tables, lens, r.block_size,
-                                      method="mtp_decode")
-            d = jnp.argmax(r.module.apply(v, m, method="mtp_logits"), axis=-1).astype(jnp.int32)
+            m, cache = model(d, p, m, cache, self._slot(tables, p, capacity), tables, lens, r.block_size,
+                             method="mtp_decode")
+            d = jnp.argmax(model(m, method="mtp_logits"), axis=-1).astype(jnp.int32)
             out.append(d)
         return jnp.stack(out, axis=1), cache
 
@@ -137,6 +138,7 @@ class SpecDecoder:
         tables [B, W], capacity [B] (positions the blocks hold). Returns (cache, next drafts [B, k],
         accepted [B])."""
         r = self.runner
+        model = r.bound_model(params, routing)
         B, R = vtokens.shape
         x = sampled.reshape(B, R)
         match = (x[:, :-1] == vtokens[:, 1:]) & (jnp.arange(R - 1)[None, :] < valid[:, None])
@@ -144,21 +146,20 @@ class SpecDecoder:
         keep = jnp.arange(R)[None, :] <= n[:, None]  # rows P..P+n: accepted positions only
         slots = jnp.where(keep, self._slot(tables, positions, capacity), r.num_slots)
         lens = jnp.minimum(positions, positions[:, :1] + n[:, None]) + 1
-        v = r._vars(params, routing)
-        m, cache = r.module.apply(v, x.reshape(-1), positions.reshape(-1), h, cache, slots.reshape(-1),
-                                  jnp.repeat(tables, R, axis=0), lens.reshape(-1), r.block_size, method="mtp_decode")
+        m, cache = model(x.reshape(-1), positions.reshape(-1), h, cache, slots.reshape(-1),
+                         jnp.repeat(tables, R, axis=0), lens.reshape(-1), r.block_size, method="mtp_decode")
         m_n = m.reshape(B, R, -1)[jnp.arange(B), n]
-        drafts, cache = self._chain(v, cache, m_n, positions[:, 0] + n + 1, tables, capacity)
+        drafts, cache = self._chain(model, cache, m_n, positions[:, 0] + n + 1, tables, capacity)
         return cache, drafts, n
 
     def _draft_first_rank(self, params, routing, cache, last_h, sampled, positions, tables, capacity):
         """After a prefill: the MTP row of each prompt's last position (its hidden state last_h [B, H], the
         sampled token [B]) and the first drafts. Rows of capacity 0 (chunks that end no prompt) write nothing."""
         r = self.runner
-        v = r._vars(params, routing)
-        m, cache = r.module.apply(v, sampled, positions, last_h, cache, self._slot(tables, positions, capacity),
-                                  tables, positions + 1, r.block_size, method="mtp_decode")
-        drafts, cache = self._chain(v, cache, m, positions + 1, tables, capacity)
+        model = r.bound_model(params, routing)
+        m, cache = model(sampled, positions, last_h, cache, self._slot(tables, positions, capacity),
+                         tables, positions + 1, r.block_size, method="mtp_decode")
+        drafts, cache = self._chain(model, cache, m, positions + 1, tables, capacity)
         return cache, drafts
 
     # ----- prefill --------------------------------------------------------------
@@ -173,9 +174,13 @@ class SpecDecoder:
             mslots[n - 1] = self.runner.num_slots
         return nxt, mslots
 
-    def packed_extra(self, ranks, args):
+    def prefill_inputs(self, ranks, arrays, paged: bool) -> tuple:
+        """The prefill's MTP inputs beside the runner's arrays: each row's following token and MTP slot."""
+        return self._paged_inputs(ranks, arrays) if paged else self._packed_inputs(ranks, arrays)
+
+    def _packed_inputs(self, ranks, arrays):
         """The packed prefill's MTP inputs [N, T] beside the runner's (tokens, positions, cu_seqlens, slots)."""
-        tokens, _, cu, slots = args
+        tokens, _, cu, slots = arrays
         nxt, mslots = np.zeros_like(tokens), np.full_like(slots, self.runner.num_slots)
         for r, rs in enumerate(ranks):
             for i, s in enumerate(rs):
@@ -183,9 +188,9 @@ class SpecDecoder:
                 nxt[r, o:o + n], mslots[r, o:o + n] = self.mtp_rows(s, 0, n, slots[r, o:o + n])
         return nxt, mslots
 
-    def paged_extra(self, ranks, args):
+    def _paged_inputs(self, ranks, arrays):
         """The paged prefill's MTP inputs [N, B, S] beside the runner's arrays."""
-        tokens, _, _, _, slots, _ = args
+        tokens, _, _, _, slots, _ = arrays
         nxt, mslots = np.zeros_like(tokens), np.full_like(slots, self.runner.num_slots)
         for r, rs in enumerate(ranks):
             for i, s in enumerate(rs):
@@ -193,9 +198,10 @@ class SpecDecoder:
                 nxt[r, i, :n], mslots[r, i, :n] = self.mtp_rows(s, s.num_cached_tokens, n, slots[r, i, :n])
         return nxt, mslots
 
-    def after_prefill(self, ranks, B: int, last_h, sampled_tokens) -> None:
+    def after_prefill(self, ranks, B: int, outputs, sampled) -> None:
         """Drafts for the sequences whose prompt (all their tokens) this prefill completed (called before the
-        runner advances num_cached_tokens)."""
+        runner advances num_cached_tokens); outputs: the prefill body's own, each prompt's last hidden state."""
+        (last_h,) = outputs
         r = self.runner
         N, W = r.num_ranks, r.buckets.max_width
         pos, cap = np.zeros((N, B), np.int32), np.zeros((N, B), np.int32)
@@ -209,12 +215,21 @@ class SpecDecoder:
                     done.append((s, k, i))
         if not done:
             return
-        r.cache, drafts = self._draft_first(r.params, r.routing, r.cache, last_h, sampled_tokens, pos, tables, cap)
+        (drafts,) = r.run_step(self._draft_first, last_h, sampled, pos, tables, cap)
         drafts = np.asarray(to_host(drafts))
         for s, k, i in done:
             self.drafts[s] = drafts[k, i]
 
     # ----- decode ---------------------------------------------------------------
+    def export_drafts(self, seq: Sequence) -> list[int]:
+        return [int(t) for t in self.drafts.get(seq, ())]
+
+    def import_drafts(self, seq: Sequence, drafts: list[int]) -> None:
+        """Another engine's first drafts for ``seq``: the first k, kept only if every one is a token id."""
+        d = np.asarray(drafts[:self.k], np.int32)
+        if len(d) and ((d >= 0) & (d < self.runner.cfg.vocab_size)).all():
+            self.drafts[seq] = d
+
     def _drafts_of(self, seq: Sequence) -> np.ndarray:
         if self.draft_override is not None:
             return np.asarray(self.draft_override(seq), np.int32)[:self.k]
@@ -223,7 +238,7 @@ class SpecDecoder:
     def decode(self, seqs: list[Sequence]) -> SpecStepOutput:
         """One speculative step of every sequence: verify its drafts, accept, draft the next ones."""
         r = self.runner
-        ranks, per_rank = r._by_rank(seqs)
+        ranks, per_rank = r.by_rank(seqs)
         N, B, R, k, bs = r.num_ranks, r.buckets.decode_batch(per_rank), self.R, self.k, r.block_size
         W = r.buckets.decode_width(max(len(s.block_table) for s in seqs))
         tokens, positions = np.zeros((N, B, R), np.int32), np.zeros((N, B, R), np.int32)
@@ -247,13 +262,11 @@ class SpecDecoder:
                 tables[q, i, :len(s.block_table)] = s.block_table
                 valid[q, i], cap[q, i] = nv, c
         rows = lambda a: a.reshape(N, B * R)  # noqa: E731
-        r.cache, logits, counts, dispatched, h = self._verify(r.params, r.routing, r.cache, rows(tokens),
-                                                              rows(positions), rows(slots), tables, rows(lens))
-        r._record(counts, dispatched)
-        samp = [np.repeat(a, R, axis=1) for a in r._sampling_arrays(ranks, B)]
-        sampled = r._sample(logits, *samp, rows(sample_pos), SampleMode.of(s.params for s in seqs))
-        r.cache, drafts, accepted = self._draft(r.params, r.routing, r.cache, h, sampled[0], tokens, valid, positions,
-                                                tables, cap)
+        logits, counts, dispatched, h = r.run_step(self._verify, rows(tokens), rows(positions), rows(slots), tables,
+                                                   rows(lens))
+        r.record_stats(counts, dispatched)
+        sampled = r.sample_logits(logits, ranks, B, rows(sample_pos), rows_per_seq=R)
+        drafts, accepted = r.run_step(self._draft, h, sampled[0], tokens, valid, positions, tables, cap)
         want_top = any(s.params.top_logprobs for s in seqs)
         host = to_host((sampled[0], sampled[1], drafts, accepted) + ((sampled[2], sampled[3]) if want_top else ()))
         toks, lps, drafts, accepted = (np.asarray(a) for a in host[:4])
@@ -286,7 +299,7 @@ class SpecDecoder:
         return [r.step_program(f"spec_verify B={B} W={W}", self._verify, i32(B * R), i32(B * R), i32(B * R),
                                i32(B, W), i32(B * R), sample_rows=B * R) for B, W in r.buckets.decode_shapes()]
 
-    def prefill_inputs(self, *shape) -> tuple:
+    def prefill_input_shapes(self, *shape) -> tuple:
         """The MTP layer's inputs a prefill program takes beside the runner's (following tokens, slots)."""
         return (self.runner.rank_arrays(*shape),) * 2
 
