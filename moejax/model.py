@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 
 from moejax.eplb.balancer import ExpertLoadBalancer, initial_placements, routing_tree
 from moejax.json_file import load_json_file
-from moejax.kernel_selection import KernelScopedModule
+from moejax.kernels.common import KernelScopedModule
 from moejax.layers.fp8_policy import Fp8Policy
 from moejax.models.registry import abstract_params, build_module, family_for, parse_model_config
 from moejax.parallel import processes
@@ -114,7 +114,7 @@ class Model:
         self.tokenizer_dir = source_dir if tokenizer_dir is None else tokenizer_dir
         self.params, self.placements, self.mesh = params, placer.placements, placer.mesh
         self.routing = put_replicated(routing_tree(self.placements, 1 + config.num_redundant_experts), self.mesh)
-        # Pallas or XLA kernels, picked at trace time (moejax/kernel_selection.py).
+        # Pallas or XLA kernels, picked at trace time (moejax/kernels/).
         self.module = KernelScopedModule(build_module(config.model, config.dtype, config.expert_parallel, config.fp8),
                                          config.kernels, config.fuse_shared_experts, settings=config.args)
         self._engine = None

@@ -36,7 +36,7 @@ FAST_ACC = 1 << 30  # Triton's sm_90 default for FP8 dots
 ENV = "MOEJAX_FP8_FAST_ACC"
 _installed: bool | None = None
 # Read as each kernel is lowered: a choice of the process (the engine sets it while its step is traced,
-# moejax/kernel_selection.py KernelScopedModule; lowering follows the trace, possibly in another thread).
+# moejax/kernels/common.py KernelScopedModule; lowering follows the trace, possibly in another thread).
 _fast = os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off")
 DEFAULT = _fast  # the environment's choice: the fp8_fast_accum setting's default
 

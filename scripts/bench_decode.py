@@ -46,7 +46,7 @@ from moejax.benchmark.decode_setup import (  # noqa: F401  (also this script's n
 from moejax.benchmark.ep import time_dispatch
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call
 from moejax.engine_args import EngineArgs
-from moejax.kernel_selection import kernel_mode, kernel_settings
+from moejax.kernels.common import kernel_mode, kernel_settings
 from moejax.layers.experts import ExpertWeights, grouped_expert_mlp
 from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention
 from moejax.config import EngineConfig

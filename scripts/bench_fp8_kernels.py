@@ -7,7 +7,7 @@
 
 MoE: one EP8 rank's share of DeepSeek-V3 (32 experts, hidden 7168, intermediate 2048), 8 / 32 / 128 /
 512 tokens per expert. Per case: the bf16 ``fused_moe`` on the dequantised weights, ``fused_moe_fp8``
-W8A16 and W8A8 with the blocks ``select_moe_fp8`` picks, and the XLA dequantise-then-ragged_dot path;
+W8A16 and W8A8 with the blocks ``moe_fp8.pallas_plan`` picks, and the XLA dequantise-then-ragged_dot path;
 time (median), achieved TB/s on the FP8 weight bytes (weights + scales), the floor (FP8 weight bytes
 over the copy bandwidth measured first), ratios bf16 / fp8 and xla / fp8, and each path's relative
 error against the XLA path (the first GPU check of the kernels' numerics: on CPU they ran only in the
@@ -35,9 +35,8 @@ import jax.numpy as jnp
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 from moejax.benchmark.roofline import measure_copy_bandwidth, time_call  # noqa: E402
-from moejax.kernel_selection import kernel_mode, platform, select_fp8_linear, select_moe, select_moe_fp8  # noqa: E402
-from moejax.layers.fp8_experts import grouped_mlp_fp8_xla  # noqa: E402
-from moejax.layers.fp8_linear import dequantize_fp8, fp8_linear_xla  # noqa: E402
+from moejax.kernels import common, fp8_gemm, moe, moe_fp8  # noqa: E402
+from moejax.kernels.common import kernel_mode  # noqa: E402
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul  # noqa: E402
 from pallas_kernels.fused_moe import fused_moe  # noqa: E402
 from pallas_kernels.fused_moe_fp8 import fused_moe_fp8  # noqa: E402
@@ -120,7 +119,7 @@ def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False, t
     qs = [quantize_fp8(jax.random.normal(kk, shape, jnp.float32) * 0.02) for kk, shape in
           ((k[1], (E, H, I)), (k[2], (E, H, I)), (k[3], (E, I, H)))]
     (wg, sg), (wu, su), (wd, sd) = qs
-    bf = [jax.jit(functools.partial(dequantize_fp8, dtype=BF16))(w, s) for w, s in qs]  # same values, bf16
+    bf = [jax.jit(functools.partial(fp8_gemm.dequantize_fp8, dtype=BF16))(w, s) for w, s in qs]  # same values, bf16
     fp8_bytes = sum(w.size + s.size * 4 for w, s in qs)
     print(f"\n== fused MoE FP8: E={E} H={H} I={I}, FP8 weights {fp8_bytes / 1e9:.3f} GB "
           f"(bf16 {sum(b.size * 2 for b in bf) / 1e9:.3f} GB) ==")
@@ -131,11 +130,11 @@ def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False, t
         x = jax.random.normal(k[0], (N, H), jnp.float32).astype(BF16)
         gs = jnp.full((E,), t, jnp.int32)
         floor = fp8_bytes / bw
-        xla_fn = jax.jit(grouped_mlp_fp8_xla)  # takes the model's [E, out, in] layout
+        xla_fn = jax.jit(moe_fp8.xla)  # takes the model's [E, out, in] layout
         t_x, y_x = timed(xla_fn, x, gs, *(jnp.swapaxes(a, 1, 2) for a in (wg, sg, wu, su, wd, sd)),
                          iters=iters, warmup=warmup)
         with kernel_mode("pallas"):
-            pb = select_moe(N, E, H, I, BF16).params
+            pb = moe.pallas_plan(N, E, H, I, BF16).params
         t_b, y_b = timed(jax.jit(functools.partial(fused_moe, **pb, interpret=interpret)), x, gs, *bf,
                          iters=iters, warmup=warmup)
         cases = [("xla", t_x, y_x, {}), ("bf16", t_b, y_b, pb)]
@@ -143,16 +142,15 @@ def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False, t
         nk = [jnp.swapaxes(a, 1, 2) for a in kn]  # HF's [E, out, in]: the model's FP8 expert layout
         for variant in ("w8a16", "w8a8"):
             with kernel_mode("pallas"):
-                p = select_moe_fp8(N, E, H, I, BF16, FP8, variant).params
+                p = moe_fp8.pallas_plan(N, E, H, I, BF16, FP8, variant).params
             configs = [p] + ([dict(p, **g) for g in moe_grid()] if sweep else [])
             for i, c in enumerate(configs):
                 f = jax.jit(functools.partial(fused_moe_fp8, **c, weight_layout="nk", interpret=interpret))
                 tt, y = timed(f, x, gs, *nk, iters=iters, warmup=warmup)
                 cases.append((variant if i == 0 else variant[-3:] + "*", tt, y, c))
         if TRITON:
-            from moejax.kernel_selection import triton_moe_params
             for i, c in enumerate(triton_moe_grid(triton_sweep)):
-                c = c or triton_moe_params(N, E)
+                c = c or moe_fp8.triton_params(N, E)
                 if c["block_m"] > 16 * max(t, 1) * 8:  # tiles far taller than an expert's rows: skip
                     continue
                 f = jax.jit(functools.partial(fused_moe_block_fp8, **c))
@@ -161,7 +159,7 @@ def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False, t
         if layouts:  # the same weights as [E, in, out], and the f16 dot
             for label, extra, is_nk in LAYOUT_CASES:
                 with kernel_mode("pallas"):
-                    p = select_moe_fp8(N, E, H, I, BF16, FP8, extra["variant"]).params
+                    p = moe_fp8.pallas_plan(N, E, H, I, BF16, FP8, extra["variant"]).params
                 base = dict(p, **extra)
                 configs = [base]
                 for i, c in enumerate(configs):
@@ -170,7 +168,7 @@ def run_moe(tokens, bw, smoke, interpret, sweep, iters, warmup, layouts=False, t
                     f = jax.jit(functools.partial(fused_moe_fp8, **c, interpret=interpret))
                     tt, y = timed(f, x, gs, *(nk if is_nk else kn), iters=iters, warmup=warmup)
                     cases.append((label if i == 0 else label + "*", tt, y, c))
-        ref8 = jax.jit(functools.partial(grouped_mlp_fp8_xla, variant="w8a8"))(x, gs, *nk)
+        ref8 = jax.jit(functools.partial(moe_fp8.xla, variant="w8a8"))(x, gs, *nk)
         for name, tt, y, c in cases:  # W8A8 against the XLA path with the same activation quantisation
             ref = ref8 if name.startswith(("w8a8", "a8", "tri")) else (y_x if t_x else None)
             err = rel(y, ref) if (tt and ref is not None) else float("nan")
@@ -194,25 +192,24 @@ def run_gemm(ms, bw, smoke, interpret, iters, warmup, sweep=False):
     key = jax.random.key(1)
     for name, (K, Nout) in shapes.items():
         w, s = quantize_fp8(jax.random.normal(key, (Nout, K), jnp.float32) * 0.02)
-        wb = dequantize_fp8(w, s, BF16)
+        wb = fp8_gemm.dequantize_fp8(w, s, BF16)
         fp8_bytes = w.size + s.size * 4
         floor = fp8_bytes / bw
         for M in ms:
             x = jax.random.normal(jax.random.fold_in(key, M), (M, K), jnp.float32).astype(BF16)
             t_b, y_b = timed(jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(BF16)),
                              x, wb, iters=iters, warmup=warmup)
-            t_x, y_x = timed(jax.jit(fp8_linear_xla), x, w, s, iters=iters, warmup=warmup)
+            t_x, y_x = timed(jax.jit(fp8_gemm.xla), x, w, s, iters=iters, warmup=warmup)
             cases = [("bf16", t_b, y_b, {}), ("xla", t_x, y_x, {})]
             for variant in ("w8a16", "w8a8"):
                 with kernel_mode("pallas"):
-                    p = select_fp8_linear(M, Nout, K, BF16, FP8, variant).params
+                    p = fp8_gemm.pallas_plan(M, Nout, K, BF16, FP8, variant).params
                 f = jax.jit(functools.partial(block_scaled_matmul, **p, interpret=interpret))
                 tt, y = timed(f, x, w, s, iters=iters, warmup=warmup)
                 cases.append((variant, tt, y, p))
             if TRITON:
-                from moejax.kernel_selection import triton_gemm_params
                 for i, c in enumerate(triton_gemm_grid(sweep)):
-                    c = c or triton_gemm_params(M, Nout, K)
+                    c = c or fp8_gemm.triton_params(M, Nout, K)
                     f = jax.jit(functools.partial(block_fp8_matmul, **c))
                     tt, y = timed(f, x, w, s, iters=iters, warmup=warmup)
                     cases.append(("tri" if i == 0 else "tri*", tt, y, c))
@@ -221,7 +218,7 @@ def run_gemm(ms, bw, smoke, interpret, iters, warmup, sweep=False):
                 tt, y = timed(jax.jit(functools.partial(cublaslt_fp8_matmul, quant=quant)), x, w, s,
                               iters=iters, warmup=warmup)
                 cases.append(("cublt", tt, y, {}))
-            y_x8 = jax.jit(functools.partial(fp8_linear_xla, variant="w8a8"))(x, w, s)
+            y_x8 = jax.jit(functools.partial(fp8_gemm.xla, variant="w8a8"))(x, w, s)
             for path, tt, y, c in cases:
                 err = rel(y, y_x8 if path in ("w8a8", "tri", "tri*", "cublt") else y_x) if (tt and t_x) else float("nan")
                 ROWS.append(dict(kind="gemm", proj=name, K=K, N=Nout, M=M, path=path, us=tt and tt * 1e6,
@@ -250,7 +247,7 @@ def main():
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: checks the script on CPU")
     a = ap.parse_args()
-    plat = platform()
+    plat = common.platform()
     dev = jax.devices()[0]
     print(f"jax {jax.__version__}, backend {jax.default_backend()} ({plat}), device {dev.device_kind}, "
           f"compute capability {getattr(dev, 'compute_capability', '-')}")

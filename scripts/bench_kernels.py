@@ -27,8 +27,8 @@ import jax.numpy as jnp
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call  # noqa: E402
-from moejax.kernel_selection import (_paged_decode_params, _triton_mla_params, kernel_mode, platform,  # noqa: E402
-                                     select_mfa, select_mla, select_moe, triton_moe_bf16_params)
+from moejax.kernels import common, mfa_decode, mla_decode, moe, paged_decode  # noqa: E402
+from moejax.kernels.common import kernel_mode  # noqa: E402
 from moejax.layers.experts import ExpertWeights, grouped_expert_mlp  # noqa: E402
 from moejax.layers.kv_quant import cache_row_dim, quantize_rows  # noqa: E402
 from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention  # noqa: E402
@@ -134,7 +134,7 @@ def run_moe(tokens, bw, rate, sweep, smoke, interpret, grid=None, shape="v3-ep8"
             print(f"{t:>7} {N:>6} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_d * 1e6:9.1f} {t_p * 1e6:9.1f} "
                   f"{wbytes / t_x / 1e12:8.2f} {wbytes / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {what}")
         with kernel_mode("pallas"):
-            p = select_moe(N, E, H, I, BF16).params
+            p = moe.pallas_plan(N, E, H, I, BF16).params
         configs = [p] + ([dict(p, **g) for g in expand(grid or moe_grid(t))] if sweep else [])
         for i, c in enumerate(configs):
             f = jax.jit(functools.partial(fused_moe, **c, interpret=interpret))
@@ -145,7 +145,7 @@ def run_moe(tokens, bw, rate, sweep, smoke, interpret, grid=None, shape="v3-ep8"
                 continue
             row(t_p, f"{'selected' if i == 0 else ''} {c}")
         if not (smoke or interpret) and triton_available()[0]:  # the Triton-language kernel ("pal" columns)
-            base = triton_moe_bf16_params(N, E)
+            base = moe.triton_params(N, E)
             tri = [base] + ([dict(base, **g) for g in expand(triton_moe_grid(t))] if sweep else [])
             for i, c in enumerate(tri):
                 try:
@@ -189,10 +189,10 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
                 fx = jax.jit(functools.partial(mla_decode_attention, block_size=bs, scale=scale, layer=0))
                 t_x = bench(fx, ql, qr, cache, bt, lens)
             with kernel_mode("pallas"):
-                ch = select_mla(B, H, C, R, nb * bs, bs, cache.dtype)
-                base = {"pallas": _paged_decode_params(B, H, nb * bs, bs, cache.dtype),
-                        "triton": _triton_mla_params(B, H, nb * bs, kv == "fp8")}
-            sel = dict(ch.params, kernel=ch.impl)
+                ch = mla_decode.plan(B, H, C, R, nb * bs, bs, cache.dtype)
+                base = {"pallas": paged_decode.params(B, H, nb * bs, bs, cache.dtype),
+                        "triton": mla_decode.triton_params(B, H, nb * bs, kv == "fp8")}
+            sel = dict(ch.params, kernel=ch.path)
             configs = [sel] + ([dict(base[g.get("kernel", "pallas")], **g) for g in expand(grid or MLA_GRID)]
                                if sweep and kv in kvs_sweep else [])
             for i, c in enumerate(configs):
@@ -236,22 +236,22 @@ def run_mla_rows(H, batches, ctx, rows, bw, rate, smoke, interpret, kvs):
                 nbytes = B * ctx * row + B * Q * H * (C + R) * 2 + B * Q * H * C * 2
                 fl_t = floor(nbytes, 2 * B * Q * H * ctx * (2 * C + R), bw, rate)
                 with kernel_mode("pallas"):
-                    grouped = select_mla(B, H, C, R, nb * bs, bs, cache.dtype, rows=Q)
-                    flat = select_mla(B * Q, H, C, R, nb * bs, bs, cache.dtype)
+                    grouped = mla_decode.plan(B, H, C, R, nb * bs, bs, cache.dtype, rows=Q)
+                    flat = mla_decode.plan(B * Q, H, C, R, nb * bs, bs, cache.dtype)
                 tp = {kk: v for kk, v in grouped.params.items() if kk != "rows"}
-                if grouped.impl != "triton":
-                    tp = _triton_mla_params(B, H * Q, nb * bs, kv == "fp8")
+                if grouped.path != "triton":
+                    tp = mla_decode.triton_params(B, H * Q, nb * bs, kv == "fp8")
                 fg = jax.jit(functools.partial(triton_mla_decode, block_size=bs, scale=scale, layer=0,
                                                out_dtype=BF16, interpret=interpret, **tp))
                 t_g = bench(fg, ql, qr, cache, bt, lens)
-                ffn = triton_mla_decode if flat.impl == "triton" else paged_decode_attention
+                ffn = triton_mla_decode if flat.path == "triton" else paged_decode_attention
                 ff = jax.jit(functools.partial(ffn, block_size=bs, scale=scale, layer=0, out_dtype=BF16,
                                                interpret=interpret, **flat.params))
                 args = (ql.reshape(B * Q, H, C), qr.reshape(B * Q, H, R), cache, jnp.repeat(bt, Q, axis=0),
                         lens.reshape(-1))
-                t_f = bench(ff, *args) if flat.impl != "xla" else float("nan")
+                t_f = bench(ff, *args) if flat.path != "xla" else float("nan")
                 print(f"{kv:>5} {B:>4} {Q:>2} {fl_t * 1e6:9.1f} {t_g * 1e6:9.1f} {t_f * 1e6:10.1f} {t_f / t_g:12.2f} "
-                      f"{t_g / fl_t:10.2f}  {flat.impl} {flat.params}  rows: {tp}")
+                      f"{t_g / fl_t:10.2f}  {flat.path} {flat.params}  rows: {tp}")
 
 
 MFA_GRID = [{"tile": ["gather"], "block_h": [16, 32], "block_t": [32, 64], "num_warps": [4], "num_stages": [2, 3],
@@ -280,7 +280,7 @@ def run_mfa(batches, ctx, bw, rate, sweep, smoke, interpret, grid=None):
         nbytes = B * ctx * 2 * D * 2
         fl_t = floor(nbytes, 2 * B * nh * ctx * 2 * D, bw, rate)
         with kernel_mode("pallas"):
-            p = select_mfa(B, nh, D, 1, nb * bs, bs, cache.dtype).params
+            p = mfa_decode.plan(B, nh, D, 1, nb * bs, bs, cache.dtype).params
         configs = [p] + ([dict(p, **g) for g in expand(grid or MFA_GRID)] if sweep else [])
         for i, c in enumerate(configs):
             kw = dict(block_size=bs, scale=D ** -0.5, layer=0, v_offset=D, **c, interpret=interpret)
@@ -311,7 +311,7 @@ def main():
                     help="MLA: also time Q query rows a sequence (the speculative verify's k + 1), e.g. 2 3 4")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: checks the script on CPU")
     a = ap.parse_args()
-    plat = platform()
+    plat = common.platform()
     print(f"jax {jax.__version__}, backend {jax.default_backend()} ({plat}), device {jax.devices()[0].device_kind}")
     if plat == "cpu" and not a.smoke:
         print("Not on a GPU: the Pallas (Triton) kernels only run here in the interpreter, so nothing is timed.\n"

@@ -17,12 +17,12 @@ longest] (the layout before packing), both on the "auto" path: step time, tokens
 useful input tokens/s.
 
 --weight-dtype bf16,fp8: every point and path once per weight format (FP8: 128x128 block-scaled
-weights, the GEMM scheme from --fp8-variant, "auto" by default: kernel_selection.fp8_variant), in the
+weights, the GEMM scheme from --fp8-variant, "auto" by default: moejax/kernels/moe_fp8.pick_variant), in the
 same process; FP8 rows are keyed "<path>+fp8" and carry speedup_vs_bf16. The floor stays the bf16
 one (the step's FLOPs over the measured bf16 rate).
 
 Paths (--kernels): "auto" / "pallas" / "xla": ``moejax.load(kernels=...)`` for the whole model
-("auto" on GPU: the flash prefill kernel, kernel_selection.select_prefill, and the Pallas MoE;
+("auto" on GPU: the flash prefill kernel, moejax/kernels/prefill.plan, and the Pallas MoE;
 "xla": the memory-bounded XLA blocked attention and ragged_dot experts); "attn-xla": "auto"
 except prefill attention through the XLA blocked path; "full": "auto" except prefill attention
 in the former form, the whole [B, heads, S, S] float32 score tensor (kept in this script only,
@@ -59,9 +59,10 @@ from moejax.benchmark.decode_setup import add_engine_flags, bench_hf_config, eng
 from moejax.benchmark.roofline import measure_matmul_rate, time_call  # noqa: E402
 from moejax.config import EngineConfig  # noqa: E402
 from moejax.engine.model_runner import next_pow2, packed_bucket  # noqa: E402
-from moejax.kernel_selection import kernel_mode, select_prefill  # noqa: E402
+from moejax.kernels import prefill  # noqa: E402
+from moejax.kernels.common import kernel_mode  # noqa: E402
 from moejax.layers.linear import einsum_f32  # noqa: E402
-from moejax.layers.prefill_attention import prefill_attention, xla_prefill_attention  # noqa: E402
+from moejax.layers.prefill_attention import prefill_attention  # noqa: E402
 from moejax.models.registry import abstract_params, parse_model_config  # noqa: E402
 from moejax.tiny.checkpoint import random_params  # noqa: E402
 from moejax.tiny.random_model import random_device_params, random_model  # noqa: E402
@@ -251,7 +252,7 @@ def run_mixed(m, cfg, lens: list[int], dtype, iters: int, warmup: int) -> dict:
     pos = np.zeros(T, np.int32)
     pos[:n] = np.concatenate([np.arange(k) for k in lens])
     rows = max(T, B * S)  # cache rows; slot ``rows`` is out of range: padding writes are dropped and
-    # padding is not taken for real tokens (decoder.real_tokens)
+    # padding is not taken for real tokens (ForwardBatch.real_tokens)
     slots = np.full(T, rows, np.int32)
     slots[:n] = np.arange(n)
     layouts["packed"] = (T, (tokens, pos, slots, cu))
@@ -342,9 +343,9 @@ def bench_weights(name, hf, cfg, dtype, wd: str, a_args, rate: float, results: d
         B, S = (int(x) for x in point.lower().split("x"))
         mm, at = step_flops(cfg, B, S)
         floor = (mm + at) / rate
-        sel = select_prefill(B, S, S, a["H"], a["Hk"], a["Dk"], a["R"], a["Dv"], dtype, "auto")
+        sel = prefill.plan(B, S, S, a["H"], a["Hk"], a["Dk"], a["R"], a["Dv"], dtype, "auto")
         pr = res["points"].setdefault(point, {"batch": B, "len": S, "matmul_flops": mm, "attention_flops": at,
-                                              "floor_s": floor, "auto_selects": [sel.impl, sel.params],
+                                              "floor_s": floor, "auto_selects": [sel.path, sel.params],
                                               "paths": {}})
         outputs: dict = {}
         for path in a_args.kernels.split(","):
@@ -467,8 +468,8 @@ def sweep(a_args, rate: float, results: dict) -> None:
         q, kv, qr, kr, lens = attention_inputs(a, B, S, BF16)
         flops = B * S * (S + 1) / 2 * a["H"] * 2 * (a["Dk"] + a["R"] + a["Dv"])
         rows = out.setdefault(name, {"point": a_args.sweep_point, "floor_s": flops / rate, "runs": []})
-        sel = select_prefill(B, S, S, a["H"], a["Hk"], a["Dk"], a["R"], a["Dv"], BF16, "pallas").params
-        xla = time_call(jax.jit(lambda q, kv, qr, kr, n: xla_prefill_attention(
+        sel = prefill.plan(B, S, S, a["H"], a["Hk"], a["Dk"], a["R"], a["Dv"], BF16, "pallas").params
+        xla = time_call(jax.jit(lambda q, kv, qr, kr, n: prefill.xla(
             q, kv, n, scale=a["scale"], q_rope=qr, k_rope=kr, v_dim=a["Dv"], out_dtype=BF16)), q, kv, qr, kr, lens,
             iters=a_args.iters, warmup=1)
         rows["xla_s"] = xla

@@ -127,7 +127,7 @@ def build(a, dbo: str, batch: int):
     from moejax.config import EngineConfig
     from moejax.engine.model_runner import ModelRunner
     from moejax.eplb.balancer import initial_placements, routing_tree
-    from moejax.kernel_selection import KernelScopedModule
+    from moejax.kernels.common import KernelScopedModule
     from moejax.models.registry import abstract_params, build_module, parse_model_config
     from moejax.parallel.sharding import RANK, REPLICATED, param_specs
     from moejax.tiny.presets import preset, with_layers

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import kernel_selection as selection
+from moejax.kernels import common, fp8_gemm, moe_fp8
 from moejax.weights.fp8 import dequantize_block_fp8, quantize_block_fp8
 from pallas_kernels import cublaslt_fp8_gemm as lt
 from test_fp8_kernels import BF16, hf_weight, np_act_qdq, rel_err, seed_for, where
@@ -46,22 +46,22 @@ def test_selection(monkeypatch):
     """CUDA: W8A8 dense projections on the Pallas kernel for DENSE_W8A8_ROWS rows, above them (prefill) on
     cuBLASLt where its library is built, else W8A16 (XLA's dequantise-then-dot); the override forces a
     family (cuBLASLt: every row count from the range's start)."""
-    monkeypatch.setattr(selection, "platform", lambda: "cuda")
-    lo, hi = selection.DENSE_W8A8_ROWS
+    monkeypatch.setattr(common, "platform", lambda: "cuda")
+    lo, hi = fp8_gemm.DENSE_W8A8_ROWS
     rows = (lo - 1, lo, hi, 8 * hi)
     monkeypatch.setattr(lt, "available", lambda: (True, ""))
-    assert [selection.dense_w8a8_kernel(r) for r in rows] == [None, "pallas", "pallas", "cublaslt"]
-    assert [selection.fp8_variant("auto", r, 1, FP8) for r in rows] == ["w8a16", "w8a8", "w8a8", "w8a8"]
+    assert [fp8_gemm.dense_w8a8_kernel(r) for r in rows] == [None, "pallas", "pallas", "cublaslt"]
+    assert [moe_fp8.pick_variant("auto", r, 1, FP8) for r in rows] == ["w8a16", "w8a8", "w8a8", "w8a8"]
     monkeypatch.setattr(lt, "available", lambda: (False, "not built"))
-    assert [selection.dense_w8a8_kernel(r) for r in rows] == [None, "pallas", "pallas", None]
-    assert [selection.fp8_variant("auto", r, 1, FP8) for r in rows] == ["w8a16", "w8a8", "w8a8", "w8a16"]
-    monkeypatch.setenv(selection.W8A8_DENSE_KERNEL_ENV, "cublaslt")
-    assert [selection.dense_w8a8_kernel(r) for r in rows] == [None, "cublaslt", "cublaslt", "cublaslt"]
-    monkeypatch.setenv(selection.W8A8_DENSE_KERNEL_ENV, "triton")
-    assert [selection.dense_w8a8_kernel(r) for r in rows] == [None, "triton", "triton", None]
-    monkeypatch.setenv(selection.W8A8_DENSE_KERNEL_ENV, "deepgemm")
-    with pytest.raises(ValueError, match=selection.W8A8_DENSE_KERNEL_ENV):
-        selection.dense_w8a8_kernel(lo)
+    assert [fp8_gemm.dense_w8a8_kernel(r) for r in rows] == [None, "pallas", "pallas", None]
+    assert [moe_fp8.pick_variant("auto", r, 1, FP8) for r in rows] == ["w8a16", "w8a8", "w8a8", "w8a16"]
+    monkeypatch.setenv(common.W8A8_DENSE_KERNEL_ENV, "cublaslt")
+    assert [fp8_gemm.dense_w8a8_kernel(r) for r in rows] == [None, "cublaslt", "cublaslt", "cublaslt"]
+    monkeypatch.setenv(common.W8A8_DENSE_KERNEL_ENV, "triton")
+    assert [fp8_gemm.dense_w8a8_kernel(r) for r in rows] == [None, "triton", "triton", None]
+    monkeypatch.setenv(common.W8A8_DENSE_KERNEL_ENV, "deepgemm")
+    with pytest.raises(ValueError, match=common.W8A8_DENSE_KERNEL_ENV):
+        fp8_gemm.dense_w8a8_kernel(lo)
 
 
 @pytest.mark.skipif(not lt.available()[0], reason=f"cuBLASLt FP8 GEMM: {lt.available()[1]}")

@@ -23,7 +23,7 @@ import pytest
 
 import moejax
 from moejax import cli as moejax_cli
-from moejax import kernel_selection as ks
+from moejax.kernels import common as ks, moe as moe_kernels
 from moejax.config import EngineConfig
 from moejax.engine_args import EngineArgs, positive_int, setting
 from moejax.server import cli as serve_cli
@@ -182,14 +182,14 @@ def test_kernel_overrides_reach_kernel_selection(monkeypatch):
     is read only where the setting is auto; outside the trace, no engine's settings apply. fp8_fast_accum
     reaches the FP8 dots' lowering hook."""
     seen = []
-    real = ks.select_moe
+    real = moe_kernels.plan
 
     def spy(*args, **kwargs):
-        seen.append((ks.current_mode(), {n: ks._override(n, env, getattr(ks, n.upper() + "S"))
+        seen.append((ks.current_mode(), {n: ks.override(n, env, getattr(ks, n.upper() + "S"))
                                          for n, env in OVERRIDES.items()}))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ks, "select_moe", spy)
+    monkeypatch.setattr(moe_kernels, "plan", spy)
     monkeypatch.setenv(ks.MOE_KERNEL_ENV, "pallas")  # the setting wins
     monkeypatch.setenv(ks.MLA_KERNEL_ENV, "triton")  # read: the setting is auto
     previous = triton_fp8_dots.set_fast_accumulation(True)
@@ -207,11 +207,11 @@ def test_kernel_overrides_reach_kernel_selection(monkeypatch):
     # The engine's traces run under its kernels="xla"; shape-only traces outside an engine (the parameter
     # shapes, abstract_variables) under the default mode, with no engine's settings.
     step = [o for mode, o in seen if mode == "xla"]
-    assert step, "select_moe was not called while the step was traced"
+    assert step, "moe.plan was not called while the step was traced"
     assert all(o == {"moe_kernel": "triton", "w8a8_kernel": "auto", "w8a8_dense_kernel": "cublaslt",
                      "mla_kernel": "triton"} for o in step), step
     assert all(o["moe_kernel"] == "pallas" and o["w8a8_dense_kernel"] == "auto" for mode, o in seen if mode != "xla")
-    assert ks._SETTINGS.get() is None and ks.moe_kernel() == "pallas"  # outside: the environment's
+    assert ks._SETTINGS.get() is None and moe_kernels.moe_kernel() == "pallas"  # outside: the environment's
 
 
 def test_a_new_setting_is_one_declaration():

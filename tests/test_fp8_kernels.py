@@ -19,9 +19,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from moejax.kernel_selection import kernel_mode, select_fp8_linear, select_moe_fp8
-from moejax.layers.fp8_experts import grouped_mlp_fp8, grouped_mlp_fp8_xla
-from moejax.layers.fp8_linear import dequantize_fp8, fp8_linear, fp8_linear_xla
+from moejax.kernels import common, fp8_gemm, moe_fp8
+from moejax.kernels.common import kernel_mode
+from moejax.layers.fp8_linear import fp8_linear
 from moejax.weights.fp8 import dequantize_block_fp8, e4m3fn_to_e4m3fnuz, quantize_block_fp8
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul
 from pallas_kernels.fp8_utils import act_quant, check_blocks, decode_e4m3_bits
@@ -292,13 +292,13 @@ def test_xla_fallbacks_match_reference():
     x = jnp.asarray(rng.standard_normal((3, M // 3, K)), BF16)  # leading dims are flattened
     q, s = quantize_block_fp8(hf_weight(rng, N, K))
     d = dequantize_block_fp8(q, s, (128, 128)).astype(np.float64)
-    deq = jax.jit(dequantize_fp8)
+    deq = jax.jit(fp8_gemm.dequantize_fp8)
     np.testing.assert_array_equal(np.asarray(deq(jnp.asarray(q), jnp.asarray(s))), d.astype(np.float32))
     qz, sz = e4m3fn_to_e4m3fnuz(q, s)
     np.testing.assert_array_equal(np.asarray(deq(jnp.asarray(qz), jnp.asarray(sz))), d.astype(np.float32))
     xr = np.asarray(x, np.float64).reshape(M, K)
     for variant, ref in (("w8a16", xr @ d.T), ("w8a8", np_act_qdq(xr) @ d.T)):
-        y = jax.jit(functools.partial(fp8_linear_xla, variant=variant, out_dtype=jnp.float32))(
+        y = jax.jit(functools.partial(fp8_gemm.xla, variant=variant, out_dtype=jnp.float32))(
             x, jnp.asarray(q), jnp.asarray(s))
         assert y.shape == (3, M // 3, N)
         assert rel_err(y.reshape(M, N), ref) < 1e-5, f"{variant} {where(seed)}"  # float32 operands on CPU
@@ -306,7 +306,7 @@ def test_xla_fallbacks_match_reference():
     x2, g_sz, (qg, sg, dg), (qu, su, du), (qd, sd, dd) = moe_case(seed, N2, H, I, gs)
     w = [jnp.asarray(np.swapaxes(a, 1, 2)) for a in (qg, sg, qu, su, qd, sd)]  # the model's [E, out, in]
     for variant in ("w8a16", "w8a8"):
-        y = jax.jit(functools.partial(grouped_mlp_fp8_xla, variant=variant))(x2, g_sz, *w)
+        y = jax.jit(functools.partial(moe_fp8.xla, variant=variant))(x2, g_sz, *w)
         ref = moe_ref(x2, gs, dg, du, dd, a8=variant == "w8a8")
         assert rel_err(y[:12], ref[:12]) < (2e-3 if variant == "w8a8" else 1e-5), f"{variant} {where(seed)}"
         assert not np.any(np.asarray(y[12:]))
@@ -314,7 +314,7 @@ def test_xla_fallbacks_match_reference():
     # Pallas kernel): W8A16's numbers up to x's dtype
     ref = moe_ref(x2, gs, dg, du, dd, a8=False)
     for mode in ("xla", "pallas"):
-        y = jax.jit(lambda *a: grouped_mlp_fp8(*a, variant="bf16", mode=mode))(x2, g_sz, *w)
+        y = jax.jit(lambda *a: moe_fp8.run(*a, variant="bf16", mode=mode))(x2, g_sz, *w)
         tol = 1e-5 if x2.dtype == jnp.float32 else 1e-2
         assert rel_err(y[:12], ref[:12]) < tol and not np.any(np.asarray(y[12:])), f"bf16 {mode} {where(seed)}"
 
@@ -328,7 +328,7 @@ def test_entry_points_kernel_vs_xla():
     q, s = quantize_block_fp8(hf_weight(rng, 200, 300))
     qz, sz = e4m3fn_to_e4m3fnuz(q, s)
     with kernel_mode("auto"):
-        assert select_fp8_linear(14, 200, 300, BF16, q.dtype).impl == "xla"  # CPU
+        assert fp8_gemm.pallas_plan(14, 200, 300, BF16, q.dtype).path == "xla"  # CPU
     for w, sc, variants in ((q, s, ("w8a16", "w8a8")), (qz, sz, ("w8a16",))):
         for variant in variants:
             ref = jax.jit(lambda a, b, c: fp8_linear(a, b, c, variant, mode="xla"))(x, jnp.asarray(w), jnp.asarray(sc))
@@ -343,9 +343,9 @@ def test_entry_points_kernel_vs_xla():
              for a in ((jnp.asarray(e4m3fn_to_e4m3fnuz(qq, ss)[0]), jnp.asarray(ss * 2)) if fnuz else
                        (jnp.asarray(qq), jnp.asarray(ss)))]
         for variant in variants:
-            ref = jax.jit(lambda *a: grouped_mlp_fp8(*a, variant=variant, mode="xla"))(x2, g_sz, *w)
+            ref = jax.jit(lambda *a: moe_fp8.run(*a, variant=variant, mode="xla"))(x2, g_sz, *w)
             with kernel_mode("pallas"):
-                got = jax.jit(lambda *a: grouped_mlp_fp8(*a, variant=variant))(x2, g_sz, *w)
+                got = jax.jit(lambda *a: moe_fp8.run(*a, variant=variant))(x2, g_sz, *w)
             assert rel_err(got[:18], ref[:18]) < 1.5e-2, f"{variant} fnuz={fnuz} {where(seed)}"
 
 
@@ -355,84 +355,82 @@ def test_fp8_variant_auto(monkeypatch):
     W8A8_MIN_ROWS_PER_EXPERT rows an expert, W8A8 from there, dequantised bf16 from BF16_MIN_ROWS_PER_EXPERT;
     dense GEMMs W8A8 for DENSE_W8A8_ROWS rows, else W8A16; W8A16 on ROCm / fnuz weights and on CPU; an
     explicit variant passes through."""
-    from moejax import kernel_selection as selection
     from moejax.layers.fp8_policy import Fp8Policy
     FN, FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
-    monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "pallas")  # the Pallas family's thresholds (Triton's below)
-    n = selection.W8A8_MIN_ROWS_PER_EXPERT
+    monkeypatch.setenv(common.W8A8_KERNEL_ENV, "pallas")  # the Pallas family's thresholds (Triton's below)
+    n = moe_fp8.W8A8_MIN_ROWS_PER_EXPERT
     assert Fp8Policy.create("default").variant == "auto"
-    assert selection.fp8_variant("auto", 32 * n, 32, FN) == "w8a16"  # CPU
-    monkeypatch.setattr(selection, "platform", lambda: "cuda")
-    assert selection.fp8_variant("auto", 32 * n, 32, FN) == "w8a8"
-    assert selection.fp8_variant("auto", 32 * n - 1, 32, FN) == "w8a16"
-    b = selection.BF16_MIN_ROWS_PER_EXPERT  # prefill sizes: dequantised weights, the bf16 kernel
-    assert selection.fp8_variant("auto", 32 * b, 32, FN) == "bf16"
-    assert selection.fp8_variant("auto", 32 * b - 1, 32, FN) == "w8a8"
-    lo, hi = selection.DENSE_W8A8_ROWS  # dense: W8A8 kernel in the range, W8A16 (kernel / XLA) outside it
-    assert [selection.fp8_variant("auto", m, 1, FN) for m in (64, lo, hi, hi + 1)] == ["w8a16", "w8a8", "w8a8", "w8a16"]
-    assert selection.select_fp8_linear(lo, 7168, 7168, BF16, FN, "w8a8").impl == "pallas"
-    assert selection.select_fp8_linear(hi + 1, 7168, 7168, BF16, FN, "w8a16").impl == "xla"
-    assert selection.fp8_variant("auto", 32 * n, 32, FNUZ) == "w8a16"
+    assert moe_fp8.pick_variant("auto", 32 * n, 32, FN) == "w8a16"  # CPU
+    monkeypatch.setattr(common, "platform", lambda: "cuda")
+    assert moe_fp8.pick_variant("auto", 32 * n, 32, FN) == "w8a8"
+    assert moe_fp8.pick_variant("auto", 32 * n - 1, 32, FN) == "w8a16"
+    b = moe_fp8.BF16_MIN_ROWS_PER_EXPERT  # prefill sizes: dequantised weights, the bf16 kernel
+    assert moe_fp8.pick_variant("auto", 32 * b, 32, FN) == "bf16"
+    assert moe_fp8.pick_variant("auto", 32 * b - 1, 32, FN) == "w8a8"
+    lo, hi = fp8_gemm.DENSE_W8A8_ROWS  # dense: W8A8 kernel in the range, W8A16 (kernel / XLA) outside it
+    assert [moe_fp8.pick_variant("auto", m, 1, FN) for m in (64, lo, hi, hi + 1)] == ["w8a16", "w8a8", "w8a8", "w8a16"]
+    assert fp8_gemm.pallas_plan(lo, 7168, 7168, BF16, FN, "w8a8").path == "pallas"
+    assert fp8_gemm.pallas_plan(hi + 1, 7168, 7168, BF16, FN, "w8a16").path == "xla"
+    assert moe_fp8.pick_variant("auto", 32 * n, 32, FNUZ) == "w8a16"
     for v in ("w8a16", "w8a8"):
-        assert selection.fp8_variant(v, 32, 32, FN) == v
-    monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "triton")  # W8A8 from fewer rows, no dequantised range
-    t, _ = selection.MOE_FP8_THRESHOLDS["triton"]
-    assert [selection.fp8_variant("auto", 32 * r, 32, FN) for r in (t - 1, t, 4096)] == ["w8a16", "w8a8", "w8a8"]
-    monkeypatch.setattr(selection, "platform", lambda: "rocm")
-    assert selection.fp8_variant("auto", 32 * n, 32, FN) == "w8a16"
+        assert moe_fp8.pick_variant(v, 32, 32, FN) == v
+    monkeypatch.setenv(common.W8A8_KERNEL_ENV, "triton")  # W8A8 from fewer rows, no dequantised range
+    t, _ = moe_fp8.MOE_FP8_THRESHOLDS["triton"]
+    assert [moe_fp8.pick_variant("auto", 32 * r, 32, FN) for r in (t - 1, t, 4096)] == ["w8a16", "w8a8", "w8a8"]
+    monkeypatch.setattr(common, "platform", lambda: "rocm")
+    assert moe_fp8.pick_variant("auto", 32 * n, 32, FN) == "w8a16"
     with pytest.raises(ValueError, match="fp8_variant"):
         Fp8Policy.create("default", variant="w4a4")
 
 
 def test_fp8_selection(monkeypatch):
-    from moejax import kernel_selection as selection
     FN, FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
     with kernel_mode("auto"):  # CPU: XLA
-        assert select_moe_fp8(256, 32, 7168, 2048, BF16, FN).impl == "xla"
-        assert select_fp8_linear(64, 1536, 7168, BF16, FN).impl == "xla"
+        assert moe_fp8.pallas_plan(256, 32, 7168, 2048, BF16, FN).path == "xla"
+        assert fp8_gemm.pallas_plan(64, 1536, 7168, BF16, FN).path == "xla"
     for gpu in ("cuda", "rocm"):
-        monkeypatch.setattr(selection, "platform", lambda gpu=gpu: gpu)
+        monkeypatch.setattr(common, "platform", lambda gpu=gpu: gpu)
         with kernel_mode("auto"):
             for variant in ("w8a16", "w8a8"):
                 for t in (8, 32, 128, 512):
-                    c = select_moe_fp8(32 * t, 32, 7168, 2048, BF16, FN, variant)
+                    c = moe_fp8.pallas_plan(32 * t, 32, 7168, 2048, BF16, FN, variant)
                     if gpu == "rocm" and variant == "w8a8":
-                        assert c.impl == "xla" and "fnuz" in c.reason
+                        assert c.path == "xla" and "fnuz" in c.reason
                         continue
                     p = c.params
-                    assert c.impl == "pallas" and p["variant"] == variant
+                    assert c.path == "pallas" and p["variant"] == variant
                     assert p["weight_format"] == ("e4m3fn" if gpu == "cuda" else "e4m3fn_bits")
                     check_blocks(p["block_n"], p["block_k"])
                     check_blocks(p["block_n_down"], min(p["block_k_down"], p["block_n"], 128))
                     if variant == "w8a8":
                         assert p["block_n"] == 128 and p["block_k"] == 128  # requant in the epilogue
-            assert select_moe_fp8(256, 32, 7168, 2048, BF16, FNUZ).params["weight_format"] == "e4m3fnuz_bits"
-            assert select_moe_fp8(256, 32, 7168, 2048, BF16, jnp.uint8).params["weight_format"] == "e4m3fnuz_bits"
-            assert select_moe_fp8(256, 32, 7168, 2048, BF16, FNUZ, "w8a8").impl == "xla"
-            assert select_moe_fp8(256, 32, 7168, 2048, BF16, BF16).impl == "xla"  # not FP8 weights
+            assert moe_fp8.pallas_plan(256, 32, 7168, 2048, BF16, FNUZ).params["weight_format"] == "e4m3fnuz_bits"
+            assert moe_fp8.pallas_plan(256, 32, 7168, 2048, BF16, jnp.uint8).params["weight_format"] == "e4m3fnuz_bits"
+            assert moe_fp8.pallas_plan(256, 32, 7168, 2048, BF16, FNUZ, "w8a8").path == "xla"
+            assert moe_fp8.pallas_plan(256, 32, 7168, 2048, BF16, BF16).path == "xla"  # not FP8 weights
             for K, N in ((7168, 1536), (1536, 24576), (7168, 576), (16384, 7168)):
                 for M in (1, 20, 64, 256, 1024):
-                    c = select_fp8_linear(M, N, K, BF16, FN)
+                    c = fp8_gemm.pallas_plan(M, N, K, BF16, FN)
                     if M > 64 and gpu == "cuda":  # XLA measured faster there (H200)
-                        assert c.impl == "xla", (M, N, K)
+                        assert c.path == "xla", (M, N, K)
                         with kernel_mode("pallas"):
-                            c = select_fp8_linear(M, N, K, BF16, FN)
+                            c = fp8_gemm.pallas_plan(M, N, K, BF16, FN)
                     p = c.params
-                    assert c.impl == "pallas", (M, N, K)
+                    assert c.path == "pallas", (M, N, K)
                     check_blocks(p["block_n"], p["block_k"])
                     assert all(p[b] >= 16 and p[b] & (p[b] - 1) == 0 for b in ("block_m", "block_n", "block_k"))
                     assert 1 <= p["num_splits"] <= -(-K // 128)
                     tiles = -(-M // p["block_m"]) * -(-N // p["block_n"])
                     assert p["num_splits"] == 1 or tiles < 132
-            assert select_fp8_linear(64, 576, 7168, BF16, FN).params["num_splits"] > 1  # kv_a: 9 column tiles
-            assert select_fp8_linear(64, 24576, 1536, BF16, FN).params["num_splits"] == 1
+            assert fp8_gemm.pallas_plan(64, 576, 7168, BF16, FN).params["num_splits"] > 1  # kv_a: 9 column tiles
+            assert fp8_gemm.pallas_plan(64, 24576, 1536, BF16, FN).params["num_splits"] == 1
         monkeypatch.undo()
-    monkeypatch.setattr(selection, "platform", lambda: "cuda")
+    monkeypatch.setattr(common, "platform", lambda: "cuda")
     monkeypatch.setattr(jax, "devices", lambda *a: [type("D", (), {"compute_capability": "8.0"})()])
     with kernel_mode("auto"):  # an A100: no FP8 casts, so the integer decode, and no w8a8
-        assert select_moe_fp8(256, 32, 7168, 2048, BF16, FN).params["weight_format"] == "e4m3fn_bits"
-        assert select_moe_fp8(256, 32, 7168, 2048, BF16, FN, "w8a8").impl == "xla"
-        assert select_fp8_linear(64, 1536, 7168, BF16, FN).params["weight_format"] == "e4m3fn_bits"
+        assert moe_fp8.pallas_plan(256, 32, 7168, 2048, BF16, FN).params["weight_format"] == "e4m3fn_bits"
+        assert moe_fp8.pallas_plan(256, 32, 7168, 2048, BF16, FN, "w8a8").path == "xla"
+        assert fp8_gemm.pallas_plan(64, 1536, 7168, BF16, FN).params["weight_format"] == "e4m3fn_bits"
 
 
 # ---------------------------------------------------------- Triton lowering (IR only)
@@ -458,8 +456,7 @@ def test_fnuz_cast_is_not_lowerable():
 def test_fp8_kernels_lower_to_triton(platform, monkeypatch):
     """Pallas -> Triton IR at DeepSeek-V3 shapes with the blocks ``select_*_fp8`` picks on that
     platform (not compiled to PTX / HSACO: no GPU here)."""
-    from moejax import kernel_selection as selection
-    monkeypatch.setattr(selection, "platform", lambda: platform)
+    monkeypatch.setattr(common, "platform", lambda: platform)
     S = jax.ShapeDtypeStruct
     E, H, I = 32, 7168, 2048
     formats = [(jnp.float8_e4m3fn, "w8a16"), (jnp.uint8, "w8a16")] + \
@@ -467,8 +464,8 @@ def test_fp8_kernels_lower_to_triton(platform, monkeypatch):
     for wdt, variant in formats:
         for N in (256, 16384):
             with kernel_mode("auto"):
-                c = select_moe_fp8(N, E, H, I, BF16, wdt, variant)
-            assert c.impl == "pallas"
+                c = moe_fp8.pallas_plan(N, E, H, I, BF16, wdt, variant)
+            assert c.path == "pallas"
             f = functools.partial(fused_moe_fp8, **c.params, interpret=False)
             text = jax.jit(f).trace(S((N, H), BF16), S((E,), jnp.int32), S((E, H, I), wdt), S((E, 56, 16), jnp.float32),
                                     S((E, H, I), wdt), S((E, 56, 16), jnp.float32), S((E, I, H), wdt),
@@ -476,7 +473,7 @@ def test_fp8_kernels_lower_to_triton(platform, monkeypatch):
             assert text.count("xla.gpu.triton") == 2, (variant, wdt, N)
         for M, K, Nout in ((64, 7168, 576), (1024, 1536, 24576)):
             with kernel_mode("pallas"):  # auto takes XLA above 64 rows on CUDA
-                c = select_fp8_linear(M, Nout, K, BF16, wdt, variant)
+                c = fp8_gemm.pallas_plan(M, Nout, K, BF16, wdt, variant)
             f = functools.partial(block_scaled_matmul, **c.params, interpret=False)
             text = jax.jit(f).trace(S((M, K), BF16), S((Nout, K), wdt),
                                     S((-(-Nout // 128), K // 128), jnp.float32)).lower(

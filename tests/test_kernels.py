@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernel_selection import kernel_mode, select_mla, select_moe
+from moejax.kernels import common, mfa_decode, mla_decode, moe
+from moejax.kernels.common import kernel_mode
 from moejax.layers.kv_quant import cache_row_dim, dequantize_rows, quantize_rows
+from pallas_kernels import jax_triton_compat
 from pallas_kernels.fused_moe import fused_moe
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 
@@ -202,66 +204,62 @@ def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, 
 def test_fp8_selection_on_gpu(monkeypatch):
     """auto on a GPU without jax-triton: an FP8 cache with 64+ heads stays on XLA (the page tile timed
     slower there), 16 heads take the page tile; bf16 takes the gather tile; "pallas" still forces the kernel."""
-    from moejax import kernel_selection as selection
-    from moejax.kernel_selection import select_mfa
     FP8 = jnp.float8_e4m3fn
-    monkeypatch.setattr(selection, "platform", lambda: "cuda")
-    monkeypatch.setattr(selection.jax_triton_compat, "available", lambda: (False, "absent"))
+    monkeypatch.setattr(common, "platform", lambda: "cuda")
+    monkeypatch.setattr(jax_triton_compat, "available", lambda: (False, "absent"))
     with kernel_mode("auto"):
-        assert select_mla(256, 128, 512, 64, 2048, 16, FP8).impl == "xla"
-        assert select_mfa(256, 64, 256, 1, 4096, 16, FP8).impl == "xla"
-        assert select_mla(256, 16, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
-        assert select_mla(256, 128, 512, 64, 2048, 16, BF16).params["tile"] == "gather"
+        assert mla_decode.plan(256, 128, 512, 64, 2048, 16, FP8).path == "xla"
+        assert mfa_decode.plan(256, 64, 256, 1, 4096, 16, FP8).path == "xla"
+        assert mla_decode.plan(256, 16, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
+        assert mla_decode.plan(256, 128, 512, 64, 2048, 16, BF16).params["tile"] == "gather"
         # with jax-triton: the Triton kernel over an FP8 cache (CUDA only; XLA / Pallas' page tile before),
         # the Pallas kernels otherwise (bf16 caches: Pallas' gather tile timed faster)
-        monkeypatch.setattr(selection.jax_triton_compat, "available", lambda: (True, ""))
-        c = select_mla(512, 128, 512, 64, 2048, 16, FP8)
-        assert c.impl == "triton" and c.params["block_h"] == 64 and c.params["num_splits"] == 1
+        monkeypatch.setattr(jax_triton_compat, "available", lambda: (True, ""))
+        c = mla_decode.plan(512, 128, 512, 64, 2048, 16, FP8)
+        assert c.path == "triton" and c.params["block_h"] == 64 and c.params["num_splits"] == 1
         assert c.params["num_stages"] == 1  # FP8 rows widened in registers: one stage timed faster
-        assert select_mla(8, 128, 512, 64, 2048, 16, FP8).params["num_splits"] > 1  # splits fill the GPU
-        c = select_mla(256, 16, 512, 64, 2048, 16, FP8)
-        assert c.impl == "triton" and (c.params["block_h"], c.params["block_n"], c.params["num_warps"]) == (16, 32, 4)
-        assert select_mla(512, 128, 512, 64, 2048, 16, BF16).params["tile"] == "gather"
-        monkeypatch.setenv(selection.MLA_KERNEL_ENV, "pallas")
-        assert select_mla(512, 128, 512, 64, 2048, 16, FP8).impl == "xla"
-        monkeypatch.setenv(selection.MLA_KERNEL_ENV, "triton")
-        assert select_mla(512, 128, 512, 64, 2048, 16, BF16).impl == "triton"
-        monkeypatch.setenv(selection.MLA_KERNEL_ENV, "flash")
-        with pytest.raises(ValueError, match=selection.MLA_KERNEL_ENV):
-            select_mla(512, 128, 512, 64, 2048, 16, BF16)
-        monkeypatch.delenv(selection.MLA_KERNEL_ENV)
-        monkeypatch.setattr(selection, "platform", lambda: "rocm")
-        assert select_mla(512, 128, 512, 64, 2048, 16, FP8).impl == "xla"  # 64 KB of LDS: no Triton kernel
-        monkeypatch.setattr(selection, "platform", lambda: "cuda")
-    monkeypatch.setattr(selection.jax_triton_compat, "available", lambda: (False, "absent"))
+        assert mla_decode.plan(8, 128, 512, 64, 2048, 16, FP8).params["num_splits"] > 1  # splits fill the GPU
+        c = mla_decode.plan(256, 16, 512, 64, 2048, 16, FP8)
+        assert c.path == "triton" and (c.params["block_h"], c.params["block_n"], c.params["num_warps"]) == (16, 32, 4)
+        assert mla_decode.plan(512, 128, 512, 64, 2048, 16, BF16).params["tile"] == "gather"
+        monkeypatch.setenv(common.MLA_KERNEL_ENV, "pallas")
+        assert mla_decode.plan(512, 128, 512, 64, 2048, 16, FP8).path == "xla"
+        monkeypatch.setenv(common.MLA_KERNEL_ENV, "triton")
+        assert mla_decode.plan(512, 128, 512, 64, 2048, 16, BF16).path == "triton"
+        monkeypatch.setenv(common.MLA_KERNEL_ENV, "flash")
+        with pytest.raises(ValueError, match=common.MLA_KERNEL_ENV):
+            mla_decode.plan(512, 128, 512, 64, 2048, 16, BF16)
+        monkeypatch.delenv(common.MLA_KERNEL_ENV)
+        monkeypatch.setattr(common, "platform", lambda: "rocm")
+        assert mla_decode.plan(512, 128, 512, 64, 2048, 16, FP8).path == "xla"  # 64 KB of LDS: no Triton kernel
+        monkeypatch.setattr(common, "platform", lambda: "cuda")
+    monkeypatch.setattr(jax_triton_compat, "available", lambda: (False, "absent"))
     with kernel_mode("pallas"):
-        assert select_mla(256, 128, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
+        assert mla_decode.plan(256, 128, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
 
 
 def test_mfa_selection(monkeypatch):
     """select_mfa's choices against the timed table: XLA on CPU, the gather tile with its block sizes
     and stages per GPU and batch, XLA for grouped K/V heads or non-power-of-two head_dim; a bad tile named."""
-    from moejax import kernel_selection as selection
-    from moejax.kernel_selection import select_mfa
     with kernel_mode("auto"):
-        assert select_mfa(32, 64, 256, 1, 4096, 16, BF16).impl == "xla"  # CPU
+        assert mfa_decode.plan(32, 64, 256, 1, 4096, 16, BF16).path == "xla"  # CPU
         for gpu in ("cuda", "rocm"):  # a GPU: the gather tile (timed faster than XLA on the H200)
-            monkeypatch.setattr(selection, "platform", lambda gpu=gpu: gpu)
-            c = select_mfa(32, 64, 256, 1, 4096, 16, BF16)
-            assert c.impl == "pallas" and c.reason == "gpu" and c.params["tile"] == "gather"
+            monkeypatch.setattr(common, "platform", lambda gpu=gpu: gpu)
+            c = mfa_decode.plan(32, 64, 256, 1, 4096, 16, BF16)
+            assert c.path == "pallas" and c.reason == "gpu" and c.params["tile"] == "gather"
             # batch 32: too few sequences for 32-head programs
             assert (c.params["block_h"], c.params["block_t"]) == (16, 32)
             assert c.params["num_stages"] == (1 if gpu == "rocm" else 2)
             for batch in (64, 256):  # 32 heads x 64 tokens from half a program per SM up
-                big = select_mfa(batch, 64, 256, 1, 4096, 16, BF16).params
+                big = mfa_decode.plan(batch, 64, 256, 1, 4096, 16, BF16).params
                 want = (16, 32, 1) if gpu == "rocm" else (32, 64, 3)
                 assert (big["block_h"], big["block_t"], big["num_stages"]) == want
-            assert select_mfa(32, 64, 96, 1, 4096, 16, BF16).impl == "xla"  # head_dim not a power of two
+            assert mfa_decode.plan(32, 64, 96, 1, 4096, 16, BF16).path == "xla"  # head_dim not a power of two
         monkeypatch.undo()
     with kernel_mode("pallas"):
-        c = select_mfa(32, 64, 256, 1, 4096, 16, BF16)
-        assert c.impl == "pallas" and c.params["tile"] == "gather"
-        assert select_mfa(32, 64, 256, 2, 4096, 16, BF16).impl == "xla"  # grouped K/V heads: XLA
+        c = mfa_decode.plan(32, 64, 256, 1, 4096, 16, BF16)
+        assert c.path == "pallas" and c.params["tile"] == "gather"
+        assert mfa_decode.plan(32, 64, 256, 2, 4096, 16, BF16).path == "xla"  # grouped K/V heads: XLA
     with pytest.raises(ValueError, match="tile must be"):
         paged_decode_attention(jnp.zeros((1, 16, 16), BF16), None, jnp.zeros((32, 32), BF16), jnp.zeros((1, 2), jnp.int32),
                           jnp.ones((1,), jnp.int32), block_size=16, scale=1.0, tile="rows")
@@ -308,27 +306,27 @@ def test_selection():
     """select_moe / select_mla against the timed table: XLA on CPU under auto, the Pallas block sizes,
     splits and tiles per batch and cache dtype when forced; an unknown mode refused."""
     with kernel_mode("auto"):  # CPU: XLA
-        assert select_moe(256, 32, 7168, 2048, BF16).impl == "xla"
-        assert select_mla(64, 128, 512, 64, 2048, 16, BF16).impl == "xla"
+        assert moe.plan(256, 32, 7168, 2048, BF16).path == "xla"
+        assert mla_decode.plan(64, 128, 512, 64, 2048, 16, BF16).path == "xla"
     with kernel_mode("xla"):
-        assert select_moe(256, 32, 7168, 2048, BF16).impl == "xla"
+        assert moe.plan(256, 32, 7168, 2048, BF16).path == "xla"
     with kernel_mode("pallas"):
-        decode = select_moe(256, 32, 7168, 2048, BF16)
-        prefill = select_moe(65536, 32, 7168, 2048, BF16)
-        assert decode.impl == prefill.impl == "pallas"
+        decode = moe.plan(256, 32, 7168, 2048, BF16)
+        prefill = moe.plan(65536, 32, 7168, 2048, BF16)
+        assert decode.path == prefill.path == "pallas"
         assert decode.params["block_m"] == 16 and prefill.params["block_m"] == 128
         assert "num_warps" in decode.params and "num_stages" in decode.params
-        mla = select_mla(1, 128, 512, 64, 4096, 16, BF16)
-        assert mla.impl == "pallas" and mla.params["num_splits"] > 1  # one sequence: split the context
-        assert select_mla(256, 128, 512, 64, 2048, 16, BF16).params["num_splits"] == 1
+        mla = mla_decode.plan(1, 128, 512, 64, 4096, 16, BF16)
+        assert mla.path == "pallas" and mla.params["num_splits"] > 1  # one sequence: split the context
+        assert mla_decode.plan(256, 128, 512, 64, 2048, 16, BF16).params["num_splits"] == 1
         # bf16 cache: 64-token gather tiles, 32-head blocks from 32 heads; FP8: whole pages, 16 heads
-        p = select_mla(256, 128, 512, 64, 2048, 16, BF16).params
+        p = mla_decode.plan(256, 128, 512, 64, 2048, 16, BF16).params
         assert (p["tile"], p["block_t"], p["block_h"]) == ("gather", 64, 32)
-        assert select_mla(256, 16, 512, 64, 2048, 16, BF16).params["block_h"] == 16
-        p = select_mla(256, 128, 512, 64, 2048, 16, jnp.float8_e4m3fn).params
+        assert mla_decode.plan(256, 16, 512, 64, 2048, 16, BF16).params["block_h"] == 16
+        p = mla_decode.plan(256, 128, 512, 64, 2048, 16, jnp.float8_e4m3fn).params
         assert (p["tile"], p["block_h"]) == ("pages", 16)
     with pytest.raises(ValueError):
-        select_moe(1, 1, 16, 16, BF16, mode="triton")
+        moe.plan(1, 1, 16, 16, BF16, mode="triton")
 
 
 # ---------------------------------------------------------- Triton lowering (IR only)
@@ -339,7 +337,7 @@ def test_kernels_lower_to_triton(platform):
     E, H, I = 32, 7168, 2048
     for N in (256, 8192):
         with kernel_mode("pallas"):
-            p = select_moe(N, E, H, I, BF16).params
+            p = moe.plan(N, E, H, I, BF16).params
         f = functools.partial(fused_moe, **p, interpret=False)
         text = jax.jit(f).trace(S((N, H), BF16), S((E,), jnp.int32), S((E, H, I), BF16), S((E, H, I), BF16),
                                 S((E, I, H), BF16)).lower(lowering_platforms=(platform,)).as_text()

@@ -11,7 +11,8 @@ import pytest
 from conftest import rel_err
 
 import moejax
-from moejax.kernel_selection import kernel_mode, select_moe, shared_expert_fusion
+from moejax.kernels import moe
+from moejax.kernels.common import kernel_mode, shared_expert_fusion
 from moejax.layers.experts import ExpertWeights, SharedWeights, grouped_expert_mlp
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
@@ -98,7 +99,7 @@ def test_fused_kernel_lowers_to_triton():
     for E, H, I, S, N, p in ((32, 7168, 2048, 1, 320, None), (4, 40, 24, 2, 13, {})):
         if p is None:
             with kernel_mode("pallas"):
-                p = select_moe(N, E + S, H, I, BF16).params
+                p = moe.plan(N, E + S, H, I, BF16).params
         f = functools.partial(fused_moe, **p, interpret=False)
         text = jax.jit(f).trace(S_((N, H), BF16), S_((E + S,), jnp.int32), S_((E, H, I), BF16), S_((E, H, I), BF16),
                                 S_((E, I, H), BF16), S_((S * I, H), BF16), S_((S * I, H), BF16),
@@ -174,13 +175,12 @@ def test_model_fused_kernel_matches_unfused_xla(checkpoints):
 
 def test_fusion_switch_and_defaults():
     """"auto" fuses exactly where the Pallas fused MoE runs; a bad setting names the argument."""
-    from moejax.kernel_selection import fuse_shared_experts
     with shared_expert_fusion("auto"):
         with kernel_mode("xla"):
-            assert not fuse_shared_experts(16, 64, 32, jnp.float32)
+            assert not moe.fuse_shared_experts(16, 64, 32, jnp.float32)
         with kernel_mode("pallas"):
-            assert fuse_shared_experts(16, 64, 32, jnp.float32)
+            assert moe.fuse_shared_experts(16, 64, 32, jnp.float32)
     with shared_expert_fusion("off"), kernel_mode("pallas"):
-        assert not fuse_shared_experts(16, 64, 32, jnp.float32)
+        assert not moe.fuse_shared_experts(16, 64, 32, jnp.float32)
     with pytest.raises(ValueError, match="shared_expert_fusion"), shared_expert_fusion("yes"):
         pass

@@ -11,10 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import kernel_selection
-from moejax.kernel_selection import kernel_mode, select_prefill
-from moejax.layers.prefill_attention import (paged_prefill_attention, prefill_attention, xla_packed_prefill_attention,
-                                             xla_prefill_attention)
+from moejax.kernels import common, prefill
+from moejax.kernels.common import kernel_mode
+from moejax.layers.prefill_attention import paged_prefill_attention, prefill_attention
 from pallas_kernels.flash_prefill_attention import flash_packed_prefill_attention, flash_prefill_attention
 
 BF16 = jnp.bfloat16
@@ -90,7 +89,7 @@ def test_attention_matches_float64_reference(impl, case):
     if impl == "pallas":
         o, lse = flash_prefill_attention(q, kv, lens, ctxs, starts, interpret=True, **kw)
     else:
-        o, lse = jax.jit(functools.partial(xla_prefill_attention, **kw))(q, kv, lens, ctxs, starts)
+        o, lse = jax.jit(functools.partial(prefill.xla, **kw))(q, kv, lens, ctxs, starts)
     assert o.shape == (B, Tq, H, Dv) and o.dtype == jnp.float32
     _check(o, lse, *reference(q, kv, lens, ctxs, starts, Dk ** -0.5, qr, kr, v_dim=Dv), lens, 2e-5)
 
@@ -132,7 +131,7 @@ def test_packed_attention_matches_float64_reference(impl, case):
     if impl == "pallas":
         o, lse = flash_packed_prefill_attention(q, kv, cu, interpret=True, **kw)
     else:
-        o, lse = jax.jit(functools.partial(xla_packed_prefill_attention, **kw))(q, kv, cu)
+        o, lse = jax.jit(functools.partial(prefill.xla_packed, **kw))(q, kv, cu)
     assert o.shape == (T, H, Dv) and lse.shape == (T, H) and o.dtype == jnp.float32
     ref_o, ref_lse = _packed_reference(q, kv, cu, Dk ** -0.5, qr, kr, Dv)
     n = cu[-1]
@@ -146,7 +145,7 @@ def test_packed_bad_arguments_are_named():
     with a ValueError naming the argument."""
     q, kv = jnp.zeros((8, 2, 16)), jnp.zeros((8, 2, 32))
     cu = jnp.array([0, 3, 8], jnp.int32)
-    for fn in (flash_packed_prefill_attention, xla_packed_prefill_attention):
+    for fn in (flash_packed_prefill_attention, prefill.xla_packed):
         with pytest.raises(ValueError, match="kv"):
             fn(q, kv[:6], cu, scale=0.1)
         with pytest.raises(ValueError, match="cu_seqlens"):
@@ -198,22 +197,22 @@ def test_selection(monkeypatch):
     mla = (1, 2048, 2048, 128, 128, 128, 64, 128, BF16)
     mfa = (1, 2048, 2048, 64, 1, 256, 0, 256, BF16)
     with kernel_mode("auto"):
-        c = select_prefill(*mla)
-        assert c.impl == "xla" and set(c.params) == {"block_q", "block_k"}
+        c = prefill.plan(*mla)
+        assert c.path == "xla" and set(c.params) == {"block_q", "block_k"}
         assert 4 * 128 * c.params["block_q"] * c.params["block_k"] <= 16 << 20  # one chunk's scores
         for gpu in ("cuda", "rocm"):
-            monkeypatch.setattr(kernel_selection, "platform", lambda gpu=gpu: gpu)
+            monkeypatch.setattr(common, "platform", lambda gpu=gpu: gpu)
             for shape in (mla, mfa):
-                c = select_prefill(*shape)
-                assert c.impl == "pallas" and c.reason == "gpu" and {"num_warps", "num_stages"} <= set(c.params)
+                c = prefill.plan(*shape)
+                assert c.path == "pallas" and c.reason == "gpu" and {"num_warps", "num_stages"} <= set(c.params)
                 assert (c.params["num_stages"] == 1) if gpu == "rocm" else (c.params["num_stages"] >= 2)
-            assert select_prefill(1, 2048, 2048, 16, 16, 96, 32, 128, BF16).impl == "xla"  # 96: no Triton block
-            assert select_prefill(1, 5, 5, 4, 4, 128, 64, 128, BF16).params["block_q"] == 16  # tiny prompt
+            assert prefill.plan(1, 2048, 2048, 16, 16, 96, 32, 128, BF16).path == "xla"  # 96: no Triton block
+            assert prefill.plan(1, 5, 5, 4, 4, 128, 64, 128, BF16).params["block_q"] == 16  # tiny prompt
         monkeypatch.undo()
     with kernel_mode("pallas"):
-        assert select_prefill(1, 33, 33, 4, 4, 24, 8, 16, jnp.float32).impl == "pallas"  # interpreter: any dims
+        assert prefill.plan(1, 33, 33, 4, 4, 24, 8, 16, jnp.float32).path == "pallas"  # interpreter: any dims
     with kernel_mode("xla"):
-        assert select_prefill(*mla).impl == "xla"
+        assert prefill.plan(*mla).path == "xla"
 
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
@@ -222,31 +221,31 @@ def test_kernel_lowers_to_triton(platform, monkeypatch):
     (64 heads over one 256-dim K/V head) prefill shapes with the selected GPU block sizes, batched
     and packed (IR only: not compiled to PTX / HSACO, no GPU here)."""
     S = jax.ShapeDtypeStruct
-    monkeypatch.setattr(kernel_selection, "platform", lambda: platform)
+    monkeypatch.setattr(common, "platform", lambda: platform)
     i32 = S((2,), jnp.int32)
     for Tq, Tk in ((1000, 1000), (300, 2000)):  # one-shot (lengths not dividing the blocks), and a chunk
-        p = select_prefill(2, Tq, Tk, 128, 128, 128, 64, 128, BF16).params
+        p = prefill.plan(2, Tq, Tk, 128, 128, 128, 64, 128, BF16).params
         f = functools.partial(flash_prefill_attention, scale=0.1, v_offset=128, v_dim=128, out_dtype=BF16,
                               interpret=False, **p)
         text = jax.jit(lambda q, kv, qr, kr, a, b, c: f(q, kv, a, b, c, q_rope=qr, k_rope=kr)).trace(
             S((2, Tq, 128, 128), BF16), S((2, Tk, 128, 256), BF16), S((2, Tq, 128, 64), BF16), S((2, Tk, 64), BF16),
             i32, i32, i32).lower(lowering_platforms=(platform,)).as_text()
         assert text.count("xla.gpu.triton") == 1
-        p = select_prefill(2, Tq, Tk, 64, 1, 256, 0, 256, BF16).params
+        p = prefill.plan(2, Tq, Tk, 64, 1, 256, 0, 256, BF16).params
         f = functools.partial(flash_prefill_attention, scale=0.1, return_lse=True, interpret=False, **p)
         text = jax.jit(f).trace(S((2, Tq, 64, 256), BF16), S((2, Tk, 1, 512), BF16), i32, i32, i32).lower(
             lowering_platforms=(platform,)).as_text()
         assert text.count("xla.gpu.triton") == 1
     # packed: 3 prompts in a stream of 3000 tokens (a multiple of neither tile)
     T, cu = 3000, S((4,), jnp.int32)
-    p = select_prefill(1, T, T, 128, 128, 128, 64, 128, BF16).params
+    p = prefill.plan(1, T, T, 128, 128, 128, 64, 128, BF16).params
     f = functools.partial(flash_packed_prefill_attention, scale=0.1, v_offset=128, v_dim=128, out_dtype=BF16,
                           interpret=False, **p)
     text = jax.jit(lambda q, kv, qr, kr, c: f(q, kv, c, q_rope=qr, k_rope=kr)).trace(
         S((T, 128, 128), BF16), S((T, 128, 256), BF16), S((T, 128, 64), BF16), S((T, 64), BF16), cu).lower(
         lowering_platforms=(platform,)).as_text()
     assert text.count("xla.gpu.triton") == 1
-    p = select_prefill(1, T, T, 64, 1, 256, 0, 256, BF16).params
+    p = prefill.plan(1, T, T, 64, 1, 256, 0, 256, BF16).params
     f = functools.partial(flash_packed_prefill_attention, scale=0.1, return_lse=True, interpret=False, **p)
     text = jax.jit(f).trace(S((T, 64, 256), BF16), S((T, 1, 512), BF16), cu).lower(
         lowering_platforms=(platform,)).as_text()
@@ -289,7 +288,7 @@ def test_chunked_prefill_matches_one_shot(name, mode, segment, monkeypatch):
     position, and the same cache."""
     from moejax.tiny.checkpoint import random_params
     if segment:
-        monkeypatch.setattr(kernel_selection, "prefill_segment", lambda *a: segment)
+        monkeypatch.setattr(prefill, "segment", lambda *a: segment)
     cfg, module, routing, one_shot = _tiny(name)
     rng = np.random.default_rng()
     v = {"params": random_params(cfg, int(rng.integers(2 ** 31)), std=0.1), "routing": routing}
@@ -369,6 +368,7 @@ def test_xla_prefill_memory_is_bounded():
     """The compiled XLA prefill of one MLA layer (16 heads, S = 4096, float32) against what the
     [heads, S, S] float32 scores alone need (1 GiB): XLA's memory analysis of its temporaries stays
     below 1/8 of that (the full-score form needs more than the scores)."""
+    from moejax.layers.forward_batch import ForwardBatch
     from moejax.layers.mla import MLA
     from moejax.models.registry import parse_model_config
     from moejax.tiny.presets import preset
@@ -379,9 +379,10 @@ def test_xla_prefill_memory_is_bounded():
     pos = jax.ShapeDtypeStruct((1, S), jnp.int32)
     lens = jax.ShapeDtypeStruct((1,), jnp.int32)
     params = jax.eval_shape(lambda: mla.init(jax.random.key(0), jnp.zeros((1, 4, cfg.hidden_size)),
-                                             jnp.zeros((1, 4), jnp.int32), jnp.full((1,), 4), method="prefill"))
+                                             ForwardBatch.prefill(jnp.zeros((1, 4), jnp.int32), jnp.full((1,), 4)),
+                                             method="prefill"))
     with kernel_mode("xla"):
-        fn = jax.jit(lambda p, x, pos, n: mla.apply(p, x, pos, n, method="prefill")[0])
+        fn = jax.jit(lambda p, x, pos, n: mla.apply(p, x, ForwardBatch.prefill(pos, n), method="prefill")[0])
         temp = fn.lower(params, x, pos, lens).compile().memory_analysis().temp_size_in_bytes
     scores = 4 * H * S * S
     print(f"XLA prefill temporaries {temp / 2**20:.1f} MiB; [heads, S, S] f32 scores {scores / 2**20:.0f} MiB")

@@ -15,6 +15,7 @@ import pytest
 
 import moejax
 from conftest import rel_err
+from moejax.kernels import mfa_decode
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
@@ -287,10 +288,9 @@ def test_greedy_generate_matches_reference_and_decode_matches_prefill(model, ref
 def test_pallas_mfa_decode_matches_reference(ckpt, model, ref, monkeypatch):
     """The decode steps through the Pallas kernels (interpret mode on CPU; MFA through the pages
     kernel with values at column D): the same greedy tokens as the float64 reference."""
-    from moejax import kernel_selection  # where the model reaches the kernel
     traced = []
-    real = kernel_selection.paged_decode_attention
-    monkeypatch.setattr(kernel_selection, "paged_decode_attention", lambda *a, **kw: traced.append(kw) or real(*a, **kw))
+    real = mfa_decode.paged_decode_attention
+    monkeypatch.setattr(mfa_decode, "paged_decode_attention", lambda *a, **kw: traced.append(kw) or real(*a, **kw))
     m = _load(ckpt, kernels="pallas")
     prompts = [_prompt(7, seed=6), _prompt(3, seed=7)]  # fixed, as in the greedy test above
     out = moejax.generate(m, prompts, max_new_tokens=6, ignore_eos=True, logprobs=True)

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax.kernels import common, fp8_gemm, moe, moe_fp8
 from moejax.weights.fp8 import dequantize_block_fp8, quantize_block_fp8
+from pallas_kernels import jax_triton_compat
 from pallas_kernels.jax_triton_compat import available
 from pallas_kernels.fp8_utils import act_quant
 from pallas_kernels.triton_block_fp8 import act_quant_triton, block_fp8_matmul, fused_moe_block_fp8, fused_moe_triton
@@ -128,15 +130,14 @@ def test_fused_moe_triton_bf16_matches_reference():
 def test_bf16_moe_kernel_choice(monkeypatch):
     """MOEJAX_MOE_KERNEL: "pallas" (default: measured level or ahead, BENCHMARKS.md) fuses the shared experts;
     "triton" runs the routed experts through fused_moe_triton with the shared ones beside them (not fused)."""
-    from moejax import kernel_selection as selection
-    monkeypatch.setattr(selection, "platform", lambda: "cuda")
+    monkeypatch.setattr(common, "platform", lambda: "cuda")
     args = (32, 7168, 2048, BF16)
-    assert selection.moe_kernel() == "pallas" and selection.fuse_shared_experts(*args)
-    monkeypatch.setenv(selection.MOE_KERNEL_ENV, "triton")
-    assert selection.moe_kernel() == "triton" and not selection.fuse_shared_experts(*args)
-    monkeypatch.setenv(selection.MOE_KERNEL_ENV, "cutlass")
-    with pytest.raises(ValueError, match=selection.MOE_KERNEL_ENV):
-        selection.moe_kernel()
+    assert moe.moe_kernel() == "pallas" and moe.fuse_shared_experts(*args)
+    monkeypatch.setenv(common.MOE_KERNEL_ENV, "triton")
+    assert moe.moe_kernel() == "triton" and not moe.fuse_shared_experts(*args)
+    monkeypatch.setenv(common.MOE_KERNEL_ENV, "cutlass")
+    with pytest.raises(ValueError, match=common.MOE_KERNEL_ENV):
+        moe.moe_kernel()
 
 
 def test_bad_shapes_name_the_field():
@@ -155,32 +156,37 @@ def test_selection_routes_w8a8_to_triton(monkeypatch):
     """On CUDA with jax-triton, W8A8 expert GEMMs run the Triton fused MoE (here in the interpreter, with
     the platform patched to "cuda") and give the reference's numbers; MOEJAX_W8A8_KERNEL=pallas keeps the
     Pallas kernel; W8A16 and dense projections never go to Triton."""
-    from moejax import kernel_selection as selection
     from pallas_kernels import triton_block_fp8
 
     calls = []
     real = triton_block_fp8.fused_moe_block_fp8
-    monkeypatch.setattr(selection, "fused_moe_block_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(selection, "platform", lambda: "cuda")
-    monkeypatch.setattr(selection.jax_triton_compat, "available", lambda: (True, ""))
-    assert selection.w8a8_kernel() == "triton"
+    monkeypatch.setattr(moe_fp8, "fused_moe_block_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(common, "platform", lambda: "cuda")
+    monkeypatch.setattr(jax_triton_compat, "available", lambda: (True, ""))
+    assert moe_fp8.w8a8_kernel() == "triton"
     N, H, I, gs = 40, 256, 256, [0, 17, 0, 23]
     seed = seed_for("triton-route")
     x, g_sz, (qg, sg, dg), (qu, su, du), (qd, sd, dd) = moe_case(seed, N, H, I, gs)
     nk = [jnp.asarray(np.swapaxes(a, 1, 2)) for a in (qg, sg, qu, su, qd, sd)]
-    with selection.kernel_mode("auto"):
-        y = selection.grouped_mlp_fp8(x, g_sz, *nk, variant="w8a8")
+    with common.kernel_mode("auto"):
+        assert moe_fp8.plan(N, 4, H, I, x.dtype, nk[0].dtype, "w8a8").path == "triton"
+        y = moe_fp8.run(x, g_sz, *nk, variant="w8a8")
         assert len(calls) == 1
         assert rel_err(y[:40], moe_ref(x, gs, dg, du, dd, a8=True)[:40]) < 1e-2, where(seed)
-        assert selection.grouped_mlp_fp8(x, g_sz, *nk, variant="w8a16") is not None and len(calls) == 1
-        q, s = quantize_block_fp8(hf_weight(np.random.default_rng(seed), 384, 256))
-        assert selection.fp8_linear(x, jnp.asarray(q), jnp.asarray(s), "w8a8", mode="pallas") is not None
+        assert moe_fp8.plan(N, 4, H, I, x.dtype, nk[0].dtype, "w8a16").path == "pallas"
+        moe_fp8.run(x, g_sz, *nk, variant="w8a16")
         assert len(calls) == 1
-        monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "pallas")
-        assert selection.grouped_mlp_fp8(x, g_sz, *nk, variant="w8a8") is not None and len(calls) == 1
-        monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "cutlass")
-        with pytest.raises(ValueError, match=selection.W8A8_KERNEL_ENV):
-            selection.w8a8_kernel()
+        q, s = quantize_block_fp8(hf_weight(np.random.default_rng(seed), 384, 256))
+        assert fp8_gemm.plan(N, 384, 256, x.dtype, q.dtype, "w8a8", mode="pallas").path == "pallas"
+        fp8_gemm.run(x, jnp.asarray(q), jnp.asarray(s), "w8a8", mode="pallas")
+        assert len(calls) == 1
+        monkeypatch.setenv(common.W8A8_KERNEL_ENV, "pallas")
+        assert moe_fp8.plan(N, 4, H, I, x.dtype, nk[0].dtype, "w8a8").path == "pallas"
+        moe_fp8.run(x, g_sz, *nk, variant="w8a8")
+        assert len(calls) == 1
+        monkeypatch.setenv(common.W8A8_KERNEL_ENV, "cutlass")
+        with pytest.raises(ValueError, match=common.W8A8_KERNEL_ENV):
+            moe_fp8.w8a8_kernel()
 
 
 _COMPILE = r"""
@@ -255,14 +261,13 @@ def test_rocm_selection(monkeypatch):
     threshold (the Triton kernel takes e4m3fnuz dots), dense projections stay W8A16; without jax-triton
     W8A16 throughout. Decisions only: Triton's interpreter has no fnuz type, and no AMD GPU is here (the
     gfx942 compile test above checks the kernels' instructions)."""
-    from moejax import kernel_selection as selection
     FNUZ = jnp.float8_e4m3fnuz
-    monkeypatch.setattr(selection, "platform", lambda: "rocm")
-    t, bf16_from = selection.MOE_FP8_THRESHOLDS["triton"]
-    monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "triton")
-    assert selection.triton_fp8_type(jnp.uint8) == FNUZ and selection.triton_fp8_type(FNUZ) == FNUZ
-    assert selection.triton_fp8_type(jnp.float8_e4m3fn) is None  # ROCm weights are converted to fnuz on load
-    assert [selection.fp8_variant("auto", 32 * r, 32, FNUZ) for r in (t - 1, t, 4096)] == ["w8a16", "w8a8", "w8a8"]
-    assert selection.fp8_variant("auto", 512, 1, FNUZ) == "w8a16"  # dense: no fnuz dot in Pallas-Triton
-    monkeypatch.setenv(selection.W8A8_KERNEL_ENV, "pallas")
-    assert selection.fp8_variant("auto", 32 * 4096, 32, FNUZ) == "w8a16"
+    monkeypatch.setattr(common, "platform", lambda: "rocm")
+    t, bf16_from = moe_fp8.MOE_FP8_THRESHOLDS["triton"]
+    monkeypatch.setenv(common.W8A8_KERNEL_ENV, "triton")
+    assert fp8_gemm.triton_fp8_type(jnp.uint8) == FNUZ and fp8_gemm.triton_fp8_type(FNUZ) == FNUZ
+    assert fp8_gemm.triton_fp8_type(jnp.float8_e4m3fn) is None  # ROCm weights are converted to fnuz on load
+    assert [moe_fp8.pick_variant("auto", 32 * r, 32, FNUZ) for r in (t - 1, t, 4096)] == ["w8a16", "w8a8", "w8a8"]
+    assert moe_fp8.pick_variant("auto", 512, 1, FNUZ) == "w8a16"  # dense: no fnuz dot in Pallas-Triton
+    monkeypatch.setenv(common.W8A8_KERNEL_ENV, "pallas")
+    assert moe_fp8.pick_variant("auto", 32 * 4096, 32, FNUZ) == "w8a16"

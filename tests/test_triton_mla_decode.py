@@ -16,6 +16,8 @@ import sys
 import jax.numpy as jnp
 import pytest
 
+from moejax.kernels import mla_decode
+from moejax.kernels.common import kernel_mode
 from pallas_kernels.triton_mla_decode import triton_mla_decode
 from test_kernels import BF16, fresh_key_seed, mla_inputs, mla_reference, rel_err, stored_cache
 from test_triton_fp8 import pytestmark  # noqa: F401 (the same skip: jax-triton on a GPU, the interpreter on CPU)
@@ -89,7 +91,7 @@ import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moejax.kernel_selection import _triton_mla_params
+from moejax.kernels import mla_decode
 from pallas_kernels import triton_mla_decode as T
 
 
@@ -99,7 +101,7 @@ def compile_(*args, **kw):  # jax_triton empties TRITON_CACHE_DIR when (lazily) 
 
 
 
-p = {c: _triton_mla_params(512, 128, 2048, c == "fp8") for c in ("bf16", "fp8")}
+p = {c: mla_decode.triton_params(512, 128, 2048, c == "fp8") for c in ("bf16", "fp8")}
 out = {}
 for cache, ty, D in (("bf16", "*bf16", 576), ("fp8", "*fp8e4nv", 592)):
     q = p[cache]
@@ -147,7 +149,6 @@ def test_verify_rows_through_the_model_entry(kernel, monkeypatch):
     """mla_decode_attention with Q rows a sequence and one block table a sequence (what the speculative
     verify passes): the Triton kernel takes the rows together, the Pallas kernel gets each row its own
     table; both equal the XLA path given a table a row, within bf16 rounding."""
-    from moejax.kernel_selection import kernel_mode, select_mla
     from moejax.layers.paged_attention import mla_decode_attention
     B, Q, H, C, R, block_size, nb = 2, 3, 16, 32, 16, 4, 8
     values, ql, qr, bt = mla_inputs(fresh_key_seed(), B, Q * H, C, R, block_size, nb)
@@ -159,7 +160,8 @@ def test_verify_rows_through_the_model_entry(kernel, monkeypatch):
         ref = mla_decode_attention(ql, qr, cache, jnp.repeat(bt, Q, axis=0), lens, **kw)
     monkeypatch.setenv("MOEJAX_MLA_KERNEL", kernel)
     with kernel_mode("pallas"):
-        assert ("rows" in select_mla(B, H, C, R, nb * block_size, block_size, BF16, rows=Q).params) == (kernel == "triton")
+        together = "rows" in mla_decode.plan(B, H, C, R, nb * block_size, block_size, BF16, rows=Q).params
+        assert together == (kernel == "triton")
         got = mla_decode_attention(ql, qr, cache, bt, lens, **kw)
     assert got.shape == (B * Q, H, C) and rel_err(got, ref) < 1e-2
     with pytest.raises(ValueError, match="block_tables"):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-from moejax.kernel_selection import _paged_decode_params, _triton_mla_params  # noqa: E402
+from moejax.kernels import mla_decode, paged_decode  # noqa: E402
 from moejax.layers.kv_quant import cache_row_dim, quantize_rows  # noqa: E402
 from pallas_kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
 from pallas_kernels.triton_mla_decode import triton_mla_decode  # noqa: E402
@@ -26,9 +26,9 @@ lens = jnp.full((B,), ctx, jnp.int32)
 ql = jax.random.normal(k[2], (B, H, C), jnp.bfloat16)
 qr = jax.random.normal(k[3], (B, H, R), jnp.bfloat16)
 if kernel == "triton":
-    f = functools.partial(triton_mla_decode, **_triton_mla_params(B, H, ctx))
+    f = functools.partial(triton_mla_decode, **mla_decode.triton_params(B, H, ctx))
 else:
-    f = functools.partial(paged_decode_attention, **_paged_decode_params(B, H, ctx, bs, cache.dtype))
+    f = functools.partial(paged_decode_attention, **paged_decode.params(B, H, ctx, bs, cache.dtype))
 f = jax.jit(functools.partial(f, block_size=bs, scale=0.1, layer=0, out_dtype=jnp.bfloat16))
 for _ in range(5):
     out = f(ql, qr, cache, bt, lens)

@@ -55,7 +55,7 @@ class Buckets:
     def __init__(self, max_num_seqs: int, max_prefill_tokens: int, max_blocks_per_seq: int,
                  decode_width_scales: bool):
         """decode_width_scales: whether the decode attention's cost grows with the block-table width
-        (kernel_selection.decode_reads_whole_table): then several widths, else the longest only."""
+        (moejax/kernels/decode_tables.py): then several widths, else the longest only."""
         self.max_decode_batch = next_pow2(max_num_seqs)
         self.max_width = next_pow2(max_blocks_per_seq)
         self.max_prefill_seqs = min(MAX_PREFILL_SEQS, self.max_decode_batch)

@@ -7,7 +7,7 @@ float32 scale per 128x128 block: HF's ``weight_scale_inv``): "experts" (routed),
 folds into the query and the output and therefore keeps in the model dtype, as vLLM and SGLang
 do) and "lm_head". ``variant``: "w8a16" (weights converted in the kernel, bf16 dots), "w8a8"
 (activations quantised per token per 128 channels, FP8 dots) or "auto" (the default: per GEMM, from
-its rows, kernel_selection.fp8_variant).
+its rows, moejax/kernels/moe_fp8.pick_variant).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import dataclasses
 FP8_KINDS = ("experts", "shared_experts", "dense_mlp", "attention", "lm_head")
 # Every kind a DeepSeek-V3 FP8 checkpoint stores in FP8 (its lm_head is bf16).
 DEFAULT_FP8_KINDS = ("experts", "shared_experts", "dense_mlp", "attention")
-VARIANTS = ("auto", "w8a16", "w8a8")  # "auto": kernel_selection.fp8_variant picks per GEMM
+VARIANTS = ("auto", "w8a16", "w8a8")  # "auto": moejax/kernels/moe_fp8.pick_variant picks per GEMM
 
 
 @dataclasses.dataclass(frozen=True)

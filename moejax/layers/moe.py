@@ -7,7 +7,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from moejax import kernel_selection
+from moejax.kernels import moe as moe_kernels
 from moejax.layers.experts import ExpertWeights, SharedWeights
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy, Fp8Scheme
 from moejax.layers.linear import INIT_STD, fp8_param
@@ -65,7 +65,7 @@ class RoutedExperts(nn.Module):
 
 class MoE(nn.Module):
     """Router, routed experts and shared experts (DeepSeek's ``shared_experts``, or a shared MLP the
-    caller owns: Step3's ``share_expert``). Where ``kernel_selection.fuse_shared_experts`` says so,
+    caller owns: Step3's ``share_expert``). Where ``moejax.kernels.moe.fuse_shared_experts`` says so,
     the shared experts run inside the routed-expert computation as always-selected extra experts of
     weight 1 (``SharedWeights``); else beside it as their own MLP. Either way the parameters are the
     same (HF's names and layout)."""
@@ -89,7 +89,7 @@ class MoE(nn.Module):
         I = c.moe_intermediate_size
         if (shared is None or shared.fp8 is not None or self.fp8.scheme("experts") is not None
                 or shared.intermediate_size % I or jnp.dtype(shared.dtype) != jnp.dtype(self.dtype)
-                or not kernel_selection.fuse_shared_experts(c.n_routed_experts, c.hidden_size, I, self.dtype)):
+                or not moe_kernels.fuse_shared_experts(c.n_routed_experts, c.hidden_size, I, self.dtype)):
             return None
         return SharedWeights(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight, I)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 from jax._src import distributed  # the key-value store jax.distributed.initialize starts (no public API)
 
-from moejax import kernel_selection
+from moejax.kernels import common as kernels_common
 
 DISPATCH_TARGET = "moejax_ep_dispatch"
 COMBINE_TARGET = "moejax_ep_combine"
@@ -97,7 +97,7 @@ def _init_mori_shmem(lib) -> None:
 def current_platform() -> str:
     """JAX's backend, with "gpu" resolved to "cuda" or "rocm" (JAX names both "gpu")."""
     backend = jax.default_backend()
-    return kernel_selection.platform() if backend == "gpu" else backend
+    return kernels_common.platform() if backend == "gpu" else backend
 
 
 def require(platform: str | None = None) -> str:

@@ -1,0 +1,118 @@
+"""Absorbed MLA decode over the paged cache (rows [kv_lora latent | rotated rope key]): the Triton
+``triton_mla_decode``, the Pallas ``paged_decode_attention`` or XLA's gather path (``xla``). ``plan``
+decides once from the shapes, the cache dtype and the platform; ``run`` computes its path.
+
+Rule: Triton for any FP8 cache on CUDA with jax-triton (Hopper: up to 216 KB of shared memory; ROCm's
+64 KB of LDS cannot hold its tiles); else Pallas, or XLA for an FP8 cache with 64+ heads
+(paged_decode.slow_fp8). Several query rows a sequence (the speculative verify) go to the Triton kernel
+together (it reads a sequence's context once for all its rows) over an FP8 cache.
+Measured: BENCHMARKS.md, "MLA and MFA decode kernels" (H100 sweep 2026-12-06e; rows together
+benchmarks/2026-12-06d/h100/r1/rows.txt).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.kernels import common, paged_decode
+from moejax.kernels.common import MLA_KERNEL_ENV, MLA_KERNELS, Plan, plan_reason, pow2, triton_dim, want_kernel
+from moejax.layers.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
+from moejax.layers.linear import einsum_f32
+from pallas_kernels import jax_triton_compat
+from pallas_kernels.paged_decode_attention import paged_decode_attention
+from pallas_kernels.triton_mla_decode import triton_mla_decode
+
+# Triton tiling: (tokens a step, stages) by (FP8 cache, programs of 64 (query row, head) pairs). An FP8 cache
+# at 64 pairs one stage (its rows widened in registers), below 32 tokens in two; bf16 three stages.
+TRITON_TOKENS_STAGES = {(True, True): (64, 1), (True, False): (32, 2), (False, True): (64, 3), (False, False): (64, 3)}
+
+
+def mla_kernel(heads: int, latent: int, rope: int, cache_dtype, rows: int = 1) -> str:
+    """Which kernel runs MLA decode on a GPU: "triton" over an FP8 cache on CUDA where jax-triton is
+    installed, else "pallas" (or XLA where that is slower). The ``mla_kernel`` setting (or
+    ``MOEJAX_MLA_KERNEL``) ``pallas|triton`` forces one (measuring)."""
+    want = common.override("mla_kernel", MLA_KERNEL_ENV, MLA_KERNELS)
+    if want != "auto":
+        return want
+    ok = common.platform() == "cuda" and paged_decode.fp8_cache(cache_dtype) and triton_dim(latent) and triton_dim(rope)
+    return "triton" if ok and jax_triton_compat.available()[0] else "pallas"
+
+
+def triton_params(batch: int, heads: int, max_len: int, fp8: bool = False) -> dict:
+    """Tiling of triton_mla_decode: 64 (query row, head) pairs a program (one wgmma M tile, two warpgroups
+    splitting the [64, 512] accumulator; fewer heads: the next power of two from 16, 4 warps); context
+    splits until the programs fill the GPU, each split >= 256 tokens; tokens a step and stages from
+    TRITON_TOKENS_STAGES."""
+    block_h = 64 if heads >= 64 else pow2(heads, 16)  # heads: query rows x heads
+    programs = batch * -(-heads // block_h)
+    num_splits = max(1, min(max(1, max_len // 256), -(-common.num_compute_units() // max(programs, 1)), 16))
+    block_n, stages = TRITON_TOKENS_STAGES[(fp8, block_h >= 64)]
+    return dict(block_h=block_h, block_n=block_n, num_splits=num_splits, num_warps=8 if block_h >= 64 else 4,
+                num_stages=stages)
+
+
+def plan(batch: int, heads: int, latent: int, rope: int, max_len: int, block_size: int, cache_dtype,
+         mode: str | None = None, rows: int = 1) -> Plan:
+    """"triton" / "pallas" with its tiling, or "xla". ``rows`` > 1 (query rows a sequence, ``batch``
+    sequences): "rows" in the params where the Triton kernel takes them together; else the plan is for
+    one row a sequence and the caller gives every row its own block table."""
+    use, forced = want_kernel(mode)
+    if not use:
+        return Plan("xla", reason="mode or platform")
+    if not forced and not (triton_dim(latent) and triton_dim(rope) and heads >= 1):
+        return Plan("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
+    fp8 = paged_decode.fp8_cache(cache_dtype)
+    if rows > 1 and (forced or fp8) and mla_kernel(heads, latent, rope, cache_dtype, rows) == "triton":
+        return Plan("triton", dict(triton_params(batch, heads * rows, max_len, fp8), rows=rows), plan_reason(forced))
+    if mla_kernel(heads, latent, rope, cache_dtype) == "triton":
+        return Plan("triton", triton_params(batch, heads, max_len, fp8), plan_reason(forced))
+    if not forced and paged_decode.slow_fp8(heads, cache_dtype):
+        return Plan("xla", reason=paged_decode.slow_fp8.__doc__)
+    return Plan("pallas", paged_decode.params(batch, heads, max_len, block_size, cache_dtype), plan_reason(forced))
+
+
+def run(q_latent, q_rope, cache, block_tables, seq_lens, block_size: int, scale: float, layer: int | None = None,
+        mode: str | None = None, out_dtype=None, rows: int = 1):
+    """q_latent [N, H, C], q_rope [N, H, R], cache [num_slots, C+R] (or [L, num_slots, C+R] with ``layer``),
+    block_tables [N / rows, nb] (``rows`` query rows a sequence, consecutive), seq_lens [N] (>= 1)
+    -> context latents [N, H, C] in ``out_dtype`` (default float32)."""
+    N, H, C = q_latent.shape
+    R, max_len = q_rope.shape[-1], block_tables.shape[1] * block_size
+    kw = dict(block_size=block_size, scale=float(scale), layer=layer, out_dtype=out_dtype)
+    if rows > 1:
+        B = N // rows
+        pl = plan(B, H, C, R, max_len, block_size, cache.dtype, mode, rows=rows)
+        if "rows" in pl.params:
+            params = {k: v for k, v in pl.params.items() if k != "rows"}
+            ctx = triton_mla_decode(q_latent.reshape(B, rows, H, C), q_rope.reshape(B, rows, H, R), cache,
+                                    block_tables, seq_lens.reshape(B, rows), **kw, **params)
+            return ctx.reshape(N, H, C)
+        block_tables = jnp.repeat(block_tables, rows, axis=0)
+    pl = plan(N, H, C, R, max_len, block_size, cache.dtype, mode)
+    if pl.path == "triton":
+        return triton_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, **kw, **pl.params)
+    if pl.path == "pallas":
+        return paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, **kw, **pl.params)
+    return xla(q_latent, q_rope, cache, block_tables, seq_lens, block_size, scale, layer, out_dtype)
+
+
+def xla(q_latent, q_rope, cache, block_tables, seq_lens, block_size: int, scale: float, layer: int | None = None,
+        out_dtype=None):
+    """One gather of each sequence's rows (block_tables [N, nb]), scores against the latents directly (K and
+    V never expanded)."""
+    if layer is not None:
+        cache = cache[layer]
+    C = q_latent.shape[-1]
+    kv = cache[paged_decode.gather_sequence_slots(block_tables, block_size)]  # [B, T, C+R]
+    if is_fp8_cache(kv):
+        kv = dequantize_rows(kv, C + q_rope.shape[-1]).astype(q_latent.dtype)
+    kv = as_model_dtype(kv, q_latent.dtype)
+    latent, k_rope = kv[..., :C], kv[..., C:]
+    s = einsum_f32("bhc,btc->bht", q_latent.astype(kv.dtype), latent)
+    s = s + einsum_f32("bhr,btr->bht", q_rope.astype(kv.dtype), k_rope)
+    s = s * scale
+    valid = jnp.arange(kv.shape[1])[None, :] < seq_lens[:, None]
+    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return einsum_f32("bht,btc->bhc", p.astype(kv.dtype), latent).astype(out_dtype or jnp.float32)
