@@ -14,7 +14,7 @@ import pytest
 import moejax
 from moejax.server import schemas
 from moejax.server.app import ServerThread
-from moejax.server.protocol import APIError, ServingContext, parse_request
+from moejax.server.protocol import APIError, IncrementalText, ServingContext, parse_request
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 from moejax.tokenizer import Tokenizer
@@ -50,7 +50,7 @@ NOT_NEUTRAL = {
     "n": 2, "best_of": 2, "echo": True, "suffix": "x", "prompt_embeds": "AAAA",
     "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {"5": 3.0},
     "min_tokens": 2, "min_p": 0.1, "use_beam_search": True, "length_penalty": 0.5,
-    "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+    "spaces_between_special_tokens": False,
     "allowed_token_ids": [65], "prompt_logprobs": 1, "bad_words": ["a"],
     "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
@@ -326,3 +326,35 @@ def test_generation_config_defaults(ctx, tmp_path):
         (tmp_path / "generation_config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=name):
             generation_defaults(str(tmp_path))
+
+
+def test_include_stop_str_and_skip_special_tokens(client, ctx):
+    """include_stop_str_in_output: the text ends with the stop string it met (plain and streamed);
+    skip_special_tokens false: the text is the tokens' decoding with special tokens kept (plain and streamed;
+    the stream's detokeniser checked on ids holding special tokens, which a random model rarely samples)."""
+    kw = dict(model=NAME, prompt="hello there", max_tokens=40, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    free = client.completions.create(**kw).choices[0]
+    text = ctx.tokenizer.decode(free.model_extra["token_ids"])
+    stop = text[5:7]  # a stop string the greedy text meets
+    assert stop and text.find(stop) == 5
+    cut = client.completions.create(**{**kw, "stop": [stop]}).choices[0]
+    assert cut.text == text[:5] and cut.finish_reason == "stop"
+    incl = dict(kw, stop=[stop], extra_body={**kw["extra_body"], "include_stop_str_in_output": True})
+    assert client.completions.create(**incl).choices[0].text == text[:7]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **incl) if c.choices)
+    assert streamed == text[:7]
+    ids = free.model_extra["token_ids"]
+    special = [t for t in ids if t < 4]  # the tiny tokenizer's 4 special tokens
+    keep = ctx.tokenizer.decode(ids, skip_special_tokens=False)
+    noskip = dict(kw, extra_body={**kw["extra_body"], "skip_special_tokens": False})
+    assert client.completions.create(**noskip).choices[0].text == keep
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **noskip) if c.choices)
+    assert streamed == keep
+    if special:
+        assert keep != text
+    ids = [2] + ctx.tokenizer.encode("hi", add_special_tokens=False) + [3]
+    for skip in (True, False):
+        d = IncrementalText(ctx.tokenizer, [], skip_special_tokens=skip)
+        assert "".join(d.add(t) for t in ids) == ctx.tokenizer.decode(ids, skip_special_tokens=skip)
+    assert "<｜User｜>hi<｜Assistant｜>" == ctx.tokenizer.decode(ids, skip_special_tokens=False)

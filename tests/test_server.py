@@ -238,7 +238,7 @@ def test_incremental_text_holds_back_stop_prefixes():
     """IncrementalText against hand-worked cases: text that could start a stop string is held back
     until it cannot, and the cut stop string is never emitted."""
     class Tok:
-        def decode(self, ids):
+        def decode(self, ids, skip_special_tokens=True):
             return "".join(chr(i) for i in ids)
 
     d = IncrementalText(Tok(), ["xyz"])

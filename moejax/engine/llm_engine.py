@@ -269,14 +269,17 @@ class LLMEngine:
             reason = "length"
         text = None
         if p.stop and reason != "stop":
-            text = self.tokenizer.decode(seq.output_ids)
-            hits = [text.find(s) for s in p.stop if s in text]
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
+            hits = [(text.find(s), s) for s in p.stop if s in text]
             if hits:
-                text = text[:min(hits)]  # the stop string itself is not returned (as in vLLM); may be ""
+                i, s = min(hits, key=lambda h: h[0])
+                # the stop string itself is not returned unless asked (as in vLLM); may be ""
+                text = text[:i + len(s) if p.include_stop_str_in_output else i]
                 reason = "stop"
         if reason:
             seq.finish_reason = reason
-            seq.text = self.tokenizer.decode(seq.output_ids) if text is None else text
+            seq.text = (self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
+                        if text is None else text)
             self.scheduler.finish(seq)
 
     def run_to_completion(self, seqs: list[Sequence], progress: bool = False) -> None:

@@ -22,6 +22,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # the sampled token's logprob
     top_logprobs: int = 0  # also the N most likely tokens of each position, with their logprobs
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's)
+    skip_special_tokens: bool = True  # the text leaves special tokens out (vLLM's)
 
     def __post_init__(self):
         def check_num(name, v, lo, hi=None, integer=False):
@@ -53,6 +55,7 @@ class SamplingParams:
                              f"got {self.stop_token_ids!r}"[:300])
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        if not isinstance(self.logprobs, bool):
-            raise ValueError(f"logprobs must be a boolean, got {self.logprobs!r}")
+        for name in ("logprobs", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         check_num("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS, integer=True)

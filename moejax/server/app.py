@@ -179,7 +179,8 @@ async def _end_with_error(resp, message: str, status: int) -> None:
 
 async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
     rid, created = protocol.new_id(req.chat), int(time.time())
-    detok = protocol.IncrementalText(ctx.tokenizer, req.params.stop)
+    detok = protocol.IncrementalText(ctx.tokenizer, req.params.stop, req.params.include_stop_str_in_output,
+                                     req.params.skip_special_tokens)
     n_out = 0
     if req.chat:
         await resp.write(_sse(protocol.stream_chunk(req, rid, created, None, [], None, None, ctx.tokenizer,

@@ -236,6 +236,8 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_n,
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        skip_special_tokens=body.skip_special_tokens is not False,
     )
     try:
         params = SamplingParams(**kw)
@@ -427,8 +429,8 @@ class IncrementalText:
     Never emits a partial UTF-8 character (a window ending in U+FFFD waits for more ids) nor text
     that could be the start of a stop string, so nothing past a stop string is ever sent."""
 
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, skip_special_tokens: bool = True):
+        self.tokenizer, self.stop, self.include_stop, self.skip = tokenizer, stop, include_stop, skip_special_tokens
         self.ids: list[int] = []
         self.prefix = self.read = 0
         self.text = ""  # decoded so far (complete characters)
@@ -436,8 +438,10 @@ class IncrementalText:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
-        new_text = self.tokenizer.decode(self.ids[self.prefix:])
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip) \
+            if self.read > self.prefix else ""
+        new_text = decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.text += new_text[len(prefix_text):]
             self.prefix, self.read = self.read, len(self.ids)
@@ -445,7 +449,7 @@ class IncrementalText:
         for s in self.stop:
             i = text.find(s, max(0, len(self.sent) - len(s)))
             if i >= 0:
-                text = text[:i]
+                text = text[:i + len(s) if self.include_stop else i]
         hold = 0
         for s in self.stop:
             for k in range(min(len(s) - 1, len(text)), hold, -1):

@@ -67,8 +67,8 @@ class _Sampling(_Body):
     min_p: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    include_stop_str_in_output: Any = None
-    skip_special_tokens: Any = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     spaces_between_special_tokens: Any = None
     allowed_token_ids: Any = None
     prompt_logprobs: Any = None
@@ -169,6 +169,7 @@ HONOURED = {
     "truncate_prompt_tokens": "keeps the prompt's last N tokens",
     "add_special_tokens": "tokeniser (completions: default true, chat: default false)",
     "add_generation_prompt": "chat template", "chat_template_kwargs": "chat template's variables",
+    "include_stop_str_in_output": "engine's stop cut and the stream's", "skip_special_tokens": "detokenisation",
 }
 
 # Refused (400 naming the field) unless given this value, which is what the server does anyway.
@@ -176,7 +177,7 @@ NEUTRAL_ONLY = {
     "n": 1, "best_of": 1, "echo": False, "suffix": None, "prompt_embeds": None,
     "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
     "min_tokens": 0, "min_p": 0, "use_beam_search": False, "length_penalty": 1,
-    "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "spaces_between_special_tokens": True,
     "allowed_token_ids": None, "prompt_logprobs": None, "bad_words": [],
     "response_format": {"type": "text"}, "guided_json": None, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
