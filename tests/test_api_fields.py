@@ -55,7 +55,7 @@ NOT_NEUTRAL = {
     "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"regex": "a"},
-    "priority": 1, "request_id": "r1", "logits_processors": ["m.P"], "cache_salt": "salt",
+    "priority": 1, "logits_processors": ["m.P"], "cache_salt": "salt",
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
     "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
@@ -257,7 +257,8 @@ def test_tokenizer_endpoints(client, ctx):
 
 
 def test_model_by_id_and_request_id_echo(client):
-    """/v1/models/{id}: the served model's card, 404 for another; X-Request-Id comes back on the response."""
+    """/v1/models/{id}: the served model's card, 404 for another; X-Request-Id comes back on the response;
+    the body's request_id (or that header) is the response's id."""
     assert client.models.retrieve(NAME).id == NAME
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
@@ -267,6 +268,18 @@ def test_model_by_id_and_request_id_echo(client):
     status, _, headers = _http(client, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "odd": 1},
                                headers={"X-Request-Id": "abc-124"})
     assert status == 400 and headers["X-Request-Id"] == "abc-124"
+    status, body, _ = _http(client, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1},
+                            headers={"X-Request-Id": "abc-125"})
+    assert body["id"] == "cmpl-abc-125"  # the header names the response, as vLLM
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       extra_body={"request_id": "mine-1"})
+    assert r.id == "chatcmpl-mine-1"
+    chunks = list(client.completions.create(model=NAME, prompt="hi", max_tokens=2, stream=True,
+                                            extra_body={"request_id": "mine-2"}))
+    assert {c.id for c in chunks} == {"cmpl-mine-2"}
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=NAME, prompt="hi", max_tokens=1, extra_body={"request_id": ""})
+    assert ei.value.body["param"] == "request_id"
 
 
 def test_list_of_prompts(client, ctx):

@@ -12,6 +12,7 @@ import pytest
 
 import moejax
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
+from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.mla import MLA
 from moejax.models.registry import abstract_params, load_model_config, parse_model_config
 from moejax.tiny.checkpoint import make_random_checkpoint
@@ -69,7 +70,8 @@ def test_merged_projection_computes_the_two_gemms():
     x = jnp.asarray(rng.standard_normal((B, S, cfg.hidden_size)), jnp.float32)
     pos = jnp.tile(jnp.arange(S, dtype=jnp.int32), (B, 1))
     sep, merged = MLA(cfg, 0, jnp.float32, merge_q_kv_a=False), MLA(cfg, 0, jnp.float32)
-    p_sep = sep.init(jax.random.key(int(rng.integers(2 ** 31))), x, pos, jnp.full((B,), S), method="prefill")
+    p_sep = sep.init(jax.random.key(int(rng.integers(2 ** 31))), x, ForwardBatch.prefill(pos, jnp.full((B,), S)),
+                     method="prefill")
     p_sep = jax.tree.map(lambda a: a * 5.0, p_sep)  # beyond init's 0.02: the outputs are not all ~0
     ps = dict(p_sep["params"])
     p_mrg = {"params": {**{k: v for k, v in ps.items() if k not in ("q_a_proj", "kv_a_proj_with_mqa")},
@@ -80,9 +82,9 @@ def test_merged_projection_computes_the_two_gemms():
     slots = (tables[:, :1] * bs + pos).astype(jnp.int32)
     outs = []
     for m, p in ((sep, p_sep), (merged, p_mrg)):
-        o, c = m.apply(p, x, pos, jnp.full((B,), S), cache, slots, method="prefill")
-        d, c = m.apply(p, x[:, -1] * 0.5, jnp.full((B,), S), c, slots[:, 0] + S, tables, jnp.full((B,), S + 1),
-                       bs, method="decode")
+        o, c = m.apply(p, x, ForwardBatch.prefill(pos, jnp.full((B,), S), slots), cache, method="prefill")
+        step = ForwardBatch.decode(jnp.full((B,), S), slots[:, 0] + S, tables, jnp.full((B,), S + 1), bs)
+        d, c = m.apply(p, x[:, -1] * 0.5, step, c, method="decode")
         outs.append((o, d, c))
     assert float(jnp.abs(outs[0][0]).max()) > 1e-3
     for a, b in zip(*outs):

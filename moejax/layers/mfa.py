@@ -19,6 +19,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.fp8_policy import Fp8Scheme
 from moejax.layers.linear import Linear
 from moejax.layers.norm import RMSNorm
@@ -61,24 +62,23 @@ class MFA(nn.Module):
         v = self.v_proj(x)
         return jnp.concatenate([k.reshape(*x.shape[:-1], G * D).astype(v.dtype), v], axis=-1)
 
-    def prefill(self, x, positions, seq_lens, cache=None, slots=None, block_tables=None, ctx_lens=None,
-                block_size: int | None = None, cu_seqlens=None):
-        """x [B, S, H], positions [B, S], seq_lens [B]; writes [k | v] rows to cache at slots [B, S].
+    def prefill(self, x, batch: ForwardBatch, cache=None):
+        """x [B, S, H], batch.positions [B, S], seq_lens [B]; writes [k | v] rows to cache at batch.slots [B, S].
 
-        Without ``block_tables`` the prompt attends to itself; with ``block_tables`` [B, nb] (and
-        ``block_size``) the chunk is the last seq_lens[b] positions of a context of ``ctx_lens[b]``
+        A dense batch: the prompt attends to itself; a paged batch (``block_tables`` [B, nb],
+        ``block_size``): the chunk is the last seq_lens[b] positions of a context of ``ctx_lens[b]``
         tokens (``positions`` must be those positions): its rows are written first, then it
-        attends to positions [0, ctx_len) read from the cache one segment at a time. With
-        ``cu_seqlens`` [B + 1] the prompts are packed in one stream (x [T, H], positions and slots
+        attends to positions [0, ctx_len) read from the cache one segment at a time. A packed
+        batch (``cu_seqlens`` [B + 1]): the prompts are packed in one stream (x [T, H], positions and slots
         [T], seq_lens unused), each attending to itself. Every query head of a K/V group shares
         that head's keys (layers/prefill_attention.py: no [S, S] scores)."""
         c = self.cfg
         nh, G, D = c.num_attention_heads, c.num_attention_groups, c.head_dim
-        check_prefill_mode(x, cu_seqlens, block_tables)
-        q = self._query(x, positions)  # [..., nh, D]
-        row = self._kv_row(x, positions)
+        check_prefill_mode(x, batch.cu_seqlens, batch.block_tables)
+        q = self._query(x, batch.positions)  # [..., nh, D]
+        row = self._kv_row(x, batch.positions)
         if cache is not None:
-            cache = write_cache(cache, self.layer, slots.reshape(-1), row.reshape(-1, row.shape[-1]))
+            cache = write_cache(cache, self.layer, batch.slots.reshape(-1), row.reshape(-1, row.shape[-1]))
 
         def per_head(rows):  # [..., 2 G D] rows [k of every head | v of every head] -> [..., G, 2D]
             lead = rows.shape[:-1]
@@ -87,23 +87,23 @@ class MFA(nn.Module):
             return jnp.concatenate([rows[..., :G * D].reshape(*lead, G, D), rows[..., G * D:].reshape(*lead, G, D)], -1)
 
         kw = dict(scale=c.softmax_scale, v_offset=D, v_dim=D, out_dtype=x.dtype)
-        if cu_seqlens is not None:
-            o = packed_prefill_attention(q, per_head(row), cu_seqlens, **kw)
-        elif block_tables is None:
-            o = prefill_attention(q, per_head(row), seq_lens, **kw)
+        if batch.mode == "packed":
+            o = packed_prefill_attention(q, per_head(row), batch.cu_seqlens, **kw)
+        elif batch.mode == "dense":
+            o = prefill_attention(q, per_head(row), batch.seq_lens, **kw)
         else:
-            if cache is None or block_size is None:
-                raise ValueError("prefill over the paged cache needs cache, slots and block_size")
-            o = paged_prefill_attention(q, cache, block_tables, seq_lens, seq_lens if ctx_lens is None else ctx_lens,
-                                        block_size, expand=lambda rows: (per_head(rows.astype(q.dtype)), None),
+            if cache is None:
+                raise ValueError("prefill over the paged cache needs the cache")
+            o = paged_prefill_attention(q, cache, batch.block_tables, batch.seq_lens, batch.ctx_lens,
+                                        batch.block_size, expand=lambda rows: (per_head(rows.astype(q.dtype)), None),
                                         row_dim=2 * G * D, layer=self.layer, **kw)
         return self.o_proj(o.reshape(*x.shape[:-1], nh * D)), cache
 
-    def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size: int):
-        """x [B, H] one new token per sequence, already counted in seq_lens."""
+    def decode(self, x, batch: ForwardBatch, cache):
+        """x [B, H] one new token per sequence, already counted in batch.seq_lens."""
         c = self.cfg
-        q = self._query(x, positions)  # [B, nh, D]
-        cache = write_cache(cache, self.layer, slots, self._kv_row(x, positions))
-        ctx = mfa_decode_attention(q, cache, block_tables, seq_lens, block_size, c.softmax_scale,
+        q = self._query(x, batch.positions)  # [B, nh, D]
+        cache = write_cache(cache, self.layer, batch.slots, self._kv_row(x, batch.positions))
+        ctx = mfa_decode_attention(q, cache, batch.block_tables, batch.seq_lens, batch.block_size, c.softmax_scale,
                                    c.num_attention_groups, layer=self.layer, out_dtype=x.dtype)
         return self.o_proj(ctx.reshape(x.shape[0], -1)), cache

@@ -17,6 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.fp8_policy import Fp8Scheme
 from moejax.layers.linear import Linear, einsum_f32
 from moejax.layers.norm import RMSNorm
@@ -86,60 +87,59 @@ class MLA(nn.Module):
         k_rope = self._rope(kv[..., c.kv_lora_rank:], positions)
         return jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
 
-    def prefill(self, x, positions, seq_lens, cache=None, slots=None, block_tables=None, ctx_lens=None,
-                block_size: int | None = None, cu_seqlens=None):
-        """x [B, S, H], positions [B, S], seq_lens [B]; writes latents to cache at slots [B, S].
+    def prefill(self, x, batch: ForwardBatch, cache=None):
+        """x [B, S, H], batch.positions [B, S], seq_lens [B]; writes latents to cache at batch.slots [B, S].
 
-        Without ``block_tables`` the prompt attends to itself (expanded K/V of its own latents;
-        query i at position i). With ``block_tables`` [B, nb] (and ``block_size``) the chunk is
+        A dense batch: the prompt attends to itself (expanded K/V of its own latents;
+        query i at position i). A paged batch (``block_tables`` [B, nb], ``block_size``): the chunk is
         the last seq_lens[b] positions of a context of ``ctx_lens[b]`` tokens (default seq_lens;
         ``positions`` must be those positions): its latents are written first, then it attends
         to positions [0, ctx_len) read from the cache, expanded through kv_b_proj one segment at
         a time (layers/prefill_attention.py; the expanded form beats the absorbed one from about
-        170 query tokens a chunk, docs/architecture.md). With ``cu_seqlens`` [B + 1] the prompts
+        170 query tokens a chunk, docs/architecture.md). A packed batch (``cu_seqlens`` [B + 1]): the prompts
         are packed in one stream: x [T, H], positions and slots [T], seq_lens unused, and each
         prompt attends to itself (``packed_prefill_attention``). Every path is memory-bounded:
         no [S, S] scores (layers/prefill_attention.py)."""
         c = self.cfg
         nh, dn, dv, C = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-        check_prefill_mode(x, cu_seqlens, block_tables)
+        check_prefill_mode(x, batch.cu_seqlens, batch.block_tables)
         q_a, kv_a = self._project_a(x)
-        q_nope, q_rope = self._query(x, q_a, positions)  # [..., nh, dn], [..., nh, R]
-        lat = self._latent(kv_a, positions)
+        q_nope, q_rope = self._query(x, q_a, batch.positions)  # [..., nh, dn], [..., nh, R]
+        lat = self._latent(kv_a, batch.positions)
         if cache is not None:
-            cache = write_cache(cache, self.layer, slots.reshape(-1), lat.reshape(-1, lat.shape[-1]))
+            cache = write_cache(cache, self.layer, batch.slots.reshape(-1), lat.reshape(-1, lat.shape[-1]))
         kw = dict(scale=c.softmax_scale, v_offset=dn, v_dim=dv, out_dtype=x.dtype)
-        if block_tables is None:
+        if batch.mode != "paged":
             kv = self.kv_b_proj(lat[..., :C]).reshape(*lat.shape[:-1], nh, dn + dv)  # [k_nope | v] per head
-            if cu_seqlens is None:
-                o = prefill_attention(q_nope, kv, seq_lens, q_rope=q_rope, k_rope=lat[..., C:], **kw)
+            if batch.mode == "dense":
+                o = prefill_attention(q_nope, kv, batch.seq_lens, q_rope=q_rope, k_rope=lat[..., C:], **kw)
             else:
-                o = packed_prefill_attention(q_nope, kv, cu_seqlens, q_rope=q_rope, k_rope=lat[..., C:], **kw)
+                o = packed_prefill_attention(q_nope, kv, batch.cu_seqlens, q_rope=q_rope, k_rope=lat[..., C:], **kw)
         else:
-            if cache is None or block_size is None:
-                raise ValueError("prefill over the paged cache needs cache, slots and block_size")
+            if cache is None:
+                raise ValueError("prefill over the paged cache needs the cache")
             w_kv_b = self.kv_b_proj.weight  # [nh * (dn + dv), C]
 
             def expand(rows):  # cache rows [B, T, C + R] -> [k_nope | v] per head, shared rope key
                 kv = jnp.einsum("...i,oi->...o", rows[..., :C].astype(w_kv_b.dtype), w_kv_b)
                 return kv.reshape(*rows.shape[:2], nh, dn + dv), rows[..., C:]
 
-            o = paged_prefill_attention(q_nope, cache, block_tables, seq_lens,
-                                        seq_lens if ctx_lens is None else ctx_lens, block_size, expand=expand,
+            o = paged_prefill_attention(q_nope, cache, batch.block_tables, batch.seq_lens, batch.ctx_lens,
+                                        batch.block_size, expand=expand,
                                         row_dim=C + c.qk_rope_head_dim, q_rope=q_rope, layer=self.layer, **kw)
         return self.o_proj(o.reshape(*x.shape[:-1], nh * dv)), cache
 
-    def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size: int):
-        """x [B, H] one new token per sequence, already counted in seq_lens."""
+    def decode(self, x, batch: ForwardBatch, cache):
+        """x [B, H] one new token per sequence, already counted in batch.seq_lens."""
         c = self.cfg
         nh, dn, C = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
         q_a, kv_a = self._project_a(x)
-        q_nope, q_rope = self._query(x, q_a, positions)  # [B, nh, dn], [B, nh, R]
-        cache = write_cache(cache, self.layer, slots, self._latent(kv_a, positions))
+        q_nope, q_rope = self._query(x, q_a, batch.positions)  # [B, nh, dn], [B, nh, R]
+        cache = write_cache(cache, self.layer, batch.slots, self._latent(kv_a, batch.positions))
         w_kv_b = self.kv_b_proj.weight.reshape(nh, dn + c.v_head_dim, C)
         w_uk, w_uv = w_kv_b[:, :dn], w_kv_b[:, dn:]
         q_latent = einsum_f32("bhn,hnc->bhc", q_nope, w_uk)
-        ctx = mla_decode_attention(q_latent.astype(x.dtype), q_rope, cache, block_tables,
-                                   seq_lens, block_size, c.softmax_scale, layer=self.layer, out_dtype=x.dtype)
+        ctx = mla_decode_attention(q_latent.astype(x.dtype), q_rope, cache, batch.block_tables, batch.seq_lens,
+                                   batch.block_size, c.softmax_scale, layer=self.layer, out_dtype=x.dtype)
         o = jnp.einsum("bhc,hvc->bhv", ctx, w_uv)
         return self.o_proj(o.reshape(x.shape[0], -1)), cache

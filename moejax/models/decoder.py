@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import jax.numpy as jnp
 
+from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.linear import Embedding, Linear
 from moejax.layers.mlp import GatedMLP
@@ -21,11 +22,6 @@ def split_rows(n_rows: int, *arrays):
     """The arrays' leading rows in two micro-batches: [0, ceil(n/2)) and the rest (for DBO)."""
     m = -(-n_rows // 2)
     return [tuple(a[:m] for a in arrays), tuple(a[m:] for a in arrays)]
-
-
-def real_tokens(cache, slots):
-    """Padding rows write to an out-of-range slot; those tokens are not routed to experts."""
-    return None if cache is None else slots < cache.shape[1]
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -58,12 +54,10 @@ class PreNormDecoderLayer(nn.Module):
         """valid: which tokens are real (padding is not routed to experts)."""
         return self.mlp(x, valid) if self.cfg.is_moe_layer(self.layer) else self.mlp(x)
 
-    def prefill(self, x, positions, seq_lens, cache, slots, block_tables=None, ctx_lens=None, block_size=None,
-                cu_seqlens=None):
-        a, cache = self.self_attn.prefill(self.input_layernorm(x), positions, seq_lens, cache, slots, block_tables,
-                                          ctx_lens, block_size, cu_seqlens)
+    def prefill(self, x, batch: ForwardBatch, cache):
+        a, cache = self.self_attn.prefill(self.input_layernorm(x), batch, cache)
         h = x + a
-        valid = real_tokens(cache, slots) if cu_seqlens is None else jnp.arange(x.shape[0]) < cu_seqlens[-1]
+        valid = batch.real_tokens(cache, x.shape[0])
         n = self.post_attention_layernorm(h)
         shape = n.shape
         T = n.size // shape[-1]
@@ -77,25 +71,23 @@ class PreNormDecoderLayer(nn.Module):
         y = jnp.concatenate([self.ffn(p, v) for p, v in parts]).reshape(shape)
         return h + y, cache
 
-    def decode(self, x, positions, cache, slots, block_tables, seq_lens, block_size):
-        a, cache = self.self_attn.decode(self.input_layernorm(x), positions, cache, slots, block_tables,
-                                         seq_lens, block_size)
+    def decode(self, x, batch: ForwardBatch, cache):
+        a, cache = self.self_attn.decode(self.input_layernorm(x), batch, cache)
         h = x + a
-        return h + self.ffn(self.post_attention_layernorm(h), real_tokens(cache, slots)), cache
+        return h + self.ffn(self.post_attention_layernorm(h), batch.real_tokens(cache, x.shape[0])), cache
 
-    def decode_micro(self, parts, cache, block_size):
-        """Dual-batch overlap: ``parts`` = two micro-batches (x, positions, slots, block_tables, seq_lens).
+    def decode_micro(self, parts, cache):
+        """Dual-batch overlap: ``parts`` = two micro-batches (x, their ForwardBatch).
         Written as two independent chains (the cache update orders their attention: micro-batch 0
         then 1), so XLA's latency-hiding scheduler can run micro-batch 1's attention and experts
         between micro-batch 0's all-to-all start and done, and the other way round, across layers
         too (vLLM's DBO / SGLang's two-batch overlap order)."""
         hs = []
-        for x, positions, slots, tables, seq_lens in parts:
-            a, cache = self.self_attn.decode(self.input_layernorm(x), positions, cache, slots, tables, seq_lens,
-                                             block_size)
+        for x, batch in parts:
+            a, cache = self.self_attn.decode(self.input_layernorm(x), batch, cache)
             hs.append(x + a)
-        out = [(h + self.ffn(self.post_attention_layernorm(h), real_tokens(cache, p[2])),) + p[1:]
-               for h, p in zip(hs, parts)]
+        out = [(h + self.ffn(self.post_attention_layernorm(h), batch.real_tokens(cache, h.shape[0])), batch)
+               for h, (_, batch) in zip(hs, parts)]
         return out, cache
 
 
@@ -126,23 +118,25 @@ class CausalLM(nn.Module):
         unused; padding tokens after cu_seqlens[B] write to an out-of-range slot and are not
         routed to experts) -> hidden states [T, H]. Only attention reads the offsets."""
         h = self.embed_tokens(tokens)
+        batch = ForwardBatch.prefill(positions, seq_lens, slots, block_tables, ctx_lens, block_size, cu_seqlens)
         for layer in self.layers:
-            h, cache = layer.prefill(h, positions, seq_lens, cache, slots, block_tables, ctx_lens, block_size,
-                                     cu_seqlens)
+            h, cache = layer.prefill(h, batch, cache)
         return h, cache
 
     def decode(self, tokens, positions, cache, slots, block_tables, seq_lens, block_size: int):
         h = self.embed_tokens(tokens)
-        B = tokens.shape[0]
+        batch = ForwardBatch.decode(positions, slots, block_tables, seq_lens, block_size)
+        B = h.shape[0]
         if self.ep.micro_batches(B, "decode") == 2:  # dual-batch overlap (ExpertParallel.micro_batches)
             # Micro-batches split rows, so each row takes its own table (rows a sequence: query_rows).
-            tables = jnp.repeat(block_tables, query_rows(B, block_tables), axis=0)
-            parts = split_rows(B, h, positions, slots, tables, seq_lens)
+            tables = jnp.repeat(batch.block_tables, query_rows(B, batch.block_tables), axis=0)
+            parts = [(x, batch.replace(positions=p, slots=s, block_tables=t, seq_lens=n))
+                     for x, p, s, t, n in split_rows(B, h, batch.positions, batch.slots, tables, batch.seq_lens)]
             for layer in self.layers:
-                parts, cache = layer.decode_micro(parts, cache, block_size)
-            return jnp.concatenate([p[0] for p in parts]), cache
+                parts, cache = layer.decode_micro(parts, cache)
+            return jnp.concatenate([x for x, _ in parts]), cache
         for layer in self.layers:
-            h, cache = layer.decode(h, positions, cache, slots, block_tables, seq_lens, block_size)
+            h, cache = layer.decode(h, batch, cache)
         return h, cache
 
     def logits(self, h):

@@ -34,6 +34,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.linear import Linear
 from moejax.layers.mla import MLA
@@ -317,7 +318,8 @@ class DeepseekForCausalLM(CausalLM):
         layer writes and reads cache layer num_hidden_layers (``cfg.num_cache_layers`` layers)."""
         require_mtp(self.cfg)
         x = self.mtp.project(self.embed_tokens(tokens), previous_hidden)
-        return self.mtp.prefill(x, positions, seq_lens, cache, slots, block_tables, ctx_lens, block_size, cu_seqlens)
+        batch = ForwardBatch.prefill(positions, seq_lens, slots, block_tables, ctx_lens, block_size, cu_seqlens)
+        return self.mtp.prefill(x, batch, cache)
 
     def mtp_decode(self, tokens, positions, previous_hidden, cache, slots, block_tables, seq_lens, block_size: int):
         """The MTP layer as a decode step over rows [R] (each row one token, already counted in seq_lens;
@@ -325,7 +327,7 @@ class DeepseekForCausalLM(CausalLM):
         decoding drafts with (moejax/engine/speculative.py). Returns (hidden states [R, H], cache)."""
         require_mtp(self.cfg)
         x = self.mtp.project(self.embed_tokens(tokens), previous_hidden)
-        return self.mtp.decode(x, positions, cache, slots, block_tables, seq_lens, block_size)
+        return self.mtp.decode(x, ForwardBatch.decode(positions, slots, block_tables, seq_lens, block_size), cache)
 
     def mtp_logits(self, h):
         """The MTP layer's logits (float32) of its hidden states: shared_head.head(shared_head.norm(h))."""

@@ -124,7 +124,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if req.stream:
             return await _stream(request, req, streams[0], aengine, ctx)
         outputs = await asyncio.gather(*(_collect(request, s, aengine) for s in streams))
-        body = protocol.full_response(req, protocol.new_id(req.chat), list(outputs), ctx.tokenizer)
+        body = protocol.full_response(req, _response_id(request, req), list(outputs), ctx.tokenizer)
         return web.json_response(body)
     finally:
         for stream in streams:
@@ -156,6 +156,10 @@ async def _collect(request, stream, aengine) -> protocol.Output:
             return protocol.Output(ev.text, ids, lps, tops, ev.finish_reason)
 
 
+def _response_id(request: web.Request, req: protocol.ParsedRequest) -> str:
+    return protocol.new_id(req.chat, req.request_id or request.headers.get("X-Request-Id"))
+
+
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
@@ -178,7 +182,7 @@ async def _end_with_error(resp, message: str, status: int) -> None:
 
 
 async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
-    rid, created = protocol.new_id(req.chat), int(time.time())
+    rid, created = _response_id(request, req), int(time.time())
     detok = protocol.IncrementalText(ctx.tokenizer, req.params.stop, req.params.include_stop_str_in_output,
                                      req.params.skip_special_tokens)
     n_out = 0

@@ -83,6 +83,7 @@ class ParsedRequest:
     top_logprobs: int = 0  # alternatives per token (completions: logprobs N, chat: top_logprobs N)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens shown as "token_id:<id>"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    request_id: str | None = None  # the client's: the response's id
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -248,7 +249,7 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     so = body.stream_options
     return ParsedRequest(chat, prompts, params, body.stream, so.include_usage if so else False, logprobs,
                          body.return_token_ids, model, top_n, body.return_tokens_as_token_ids,
-                         so.continuous_usage_stats if so else False)
+                         so.continuous_usage_stats if so else False, body.request_id)
 
 
 # ----- the tokenizer endpoints (vLLM's /tokenize, /detokenize, /tokenizer_info) --------------
@@ -303,8 +304,9 @@ def model_card(ctx: ServingContext) -> dict:
 
 # ----- responses ---------------------------------------------------------------------------
 
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+def new_id(chat: bool, base: str | None = None) -> str:
+    """The response's id: the client's request_id (body) or X-Request-Id (header) when given, as vLLM."""
+    return ("chatcmpl-" if chat else "cmpl-") + (base or uuid.uuid4().hex)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -83,7 +83,7 @@ class _Sampling(_Body):
     structural_tag: Any = None
     structured_outputs: Any = None
     priority: Any = None
-    request_id: Any = None
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     logits_processors: Any = None
     cache_salt: Any = None
     kv_transfer_params: Any = None
@@ -169,6 +169,7 @@ HONOURED = {
     "truncate_prompt_tokens": "keeps the prompt's last N tokens",
     "add_special_tokens": "tokeniser (completions: default true, chat: default false)",
     "add_generation_prompt": "chat template", "chat_template_kwargs": "chat template's variables",
+    "request_id": "the response's id (cmpl-<id> / chatcmpl-<id>, vLLM's)",
     "include_stop_str_in_output": "engine's stop cut and the stream's", "skip_special_tokens": "detokenisation",
 }
 
@@ -181,7 +182,7 @@ NEUTRAL_ONLY = {
     "allowed_token_ids": None, "prompt_logprobs": None, "bad_words": [],
     "response_format": {"type": "text"}, "guided_json": None, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
-    "structural_tag": None, "structured_outputs": None, "priority": 0, "request_id": None,
+    "structural_tag": None, "structured_outputs": None, "priority": 0,
     "logits_processors": None, "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None,
     "tools": [], "tool_choice": "none", "parallel_tool_calls": None, "functions": None, "function_call": None,
     "reasoning_effort": None, "include_reasoning": True, "continue_final_message": False,
