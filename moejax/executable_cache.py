@@ -156,7 +156,7 @@ class ExecutableCache:
             log.warning("executable cache: %s holds a foreign entry (%r, not %r); rebuilding it",
                         path, header.get("label"), label)
             return None
-        key, old = self._key(depends), header.get("key", {})
+        key, old = _flat(self._key(depends)), _flat(header.get("key", {}))
         if old != key:
             changed = sorted(k for k in set(key) | set(old) if key.get(k) != old.get(k))
             log.info("executable cache: rebuilding %s: %s changed", label,
@@ -216,6 +216,17 @@ class ExecutableCache:
 
     def store_manifest(self, depends: dict, programs: list[dict]) -> None:
         self._write("manifest", depends, json.dumps(programs).encode())
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Nested keys as dotted names: a changed field is named down to its setting."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _short(v, n: int = 60) -> str:

@@ -11,9 +11,12 @@ import pytest
 
 import moejax
 from moejax import compilation, executable_cache
+from moejax.engine import executable_set
 from moejax.engine.sampling_params import SamplingParams
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
+from tests import test_precompile
+from tests.test_precompile import tiny_path  # noqa: F401 - the fixture
 
 KW = dict(dtype="float32", max_model_len=16, max_num_seqs=2, block_size=8, max_prefill_tokens=8, progress=False,
           compilation_cache_dir="off")
@@ -110,3 +113,15 @@ def test_environment_change_names_the_field(tmp_path, caplog, monkeypatch):
         assert cache._read("x", {"a": 1}) is None
     assert any("jaxlib" in r.message and "-> 0.0.1" in r.message for r in caplog.records)
     assert cache._read("x", {"a": 2}) is None
+
+
+def test_mixed_workload_after_a_cached_restart_compiles_nothing(tiny_path, monkeypatch, tmp_path):
+    """test_precompile's mixed workload (streams, sampling modes, chunked prefills, prefix hits, the
+    cache-row handoff), served by a server whose whole set came from the executable cache."""
+    monkeypatch.setenv(executable_cache.ENV_VAR, str(tmp_path / "executables"))
+    moejax.load(tiny_path, **{**test_precompile.LOAD, "precompile": True})  # the cold start fills the cache
+    loaded = []
+    real = executable_set.load_set
+    monkeypatch.setattr(executable_set, "load_set", lambda *a: loaded.append(real(*a)) or loaded[-1])
+    test_precompile.test_precompiled_server_and_handoff_never_compile(tiny_path)
+    assert loaded and loaded[0] > 0  # the server's start loaded the set

@@ -12,6 +12,7 @@ holds its label (the bucket) and the number of ranks. So a setting that changes 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -26,6 +27,35 @@ def _family(label: str) -> str | None:
     return head if head in ("sample", "feed", "export_rows", "import_rows") else _STEP
 
 
+# Settings read by the host only (when to compile, where the weights come from, the scheduler's policies):
+# no program changes with them, so they are not in any key.
+HOST_ONLY_SETTINGS = frozenset({"precompile", "compilation_cache_dir", "load_format", "max_preemptions",
+                                "scheduling_policy", "enable_prefix_caching", "async_scheduling"})
+
+
+def _stable(v):
+    """``v`` as JSON the same in every process (a set's repr follows the string hash seed)."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {"type": type(v).__name__, **{f.name: _stable(getattr(v, f.name)) for f in dataclasses.fields(v)}}
+    if isinstance(v, (set, frozenset)):
+        return sorted((_stable(x) for x in v), key=repr)
+    if isinstance(v, (list, tuple)):
+        return [_stable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _stable(x) for k, x in sorted(v.items(), key=lambda kv: repr(kv[0]))}
+    return v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+
+
+def config_key(config) -> dict:
+    """The engine configuration as a model step's key: every view but the scheduler's (its shapes are
+    settings), and every setting but the host's."""
+    out = {f.name: _stable(getattr(config, f.name)) for f in dataclasses.fields(config)
+           if f.name not in ("args", "scheduler")}
+    out["settings"] = {f.name: _stable(getattr(config.args, f.name)) for f in dataclasses.fields(config.args)
+                       if f.name not in HOST_ONLY_SETTINGS}
+    return out
+
+
 def program_depends(runner, label: str) -> dict:
     base = {"label": label, "ranks": runner.num_ranks}
     family = _family(label)
@@ -36,12 +66,12 @@ def program_depends(runner, label: str) -> dict:
         return {**base, "max_decode_batch": runner.buckets.max_decode_batch}
     if family in ("export_rows", "import_rows"):
         return {**base, "cache": [list(runner.cache.shape), str(runner.cache.dtype)]}
-    return {**base, "config": repr(runner.config)}
+    return {**base, "config": config_key(runner.config)}
 
 
 def set_depends(runner) -> dict:
     """The manifest's key: the whole configuration (any change may change the set itself)."""
-    return {"ranks": runner.num_ranks, "config": repr(runner.config)}
+    return {"ranks": runner.num_ranks, "config": config_key(runner.config)}
 
 
 def functions(runner) -> dict[str, PrecompiledFunction]:
