@@ -22,6 +22,11 @@ done
 fi
 if [ "$PH" = all ] || [ "$PH" = b ]; then
 run v2lite 200 python3 scripts/bench_decode.py --preset deepseek-v2-lite --concurrency 256 --input-len 2000 --fill random --kernels auto --weight-dtype bf16 --steps 20 --json $R/v2lite.json
-run mla128 240 python3 scripts/bench_kernels.py --only mla --batch 16 64 197 512 --context 2048 8192 --heads 128 --kv bf16 fp8
-run mla16 120 python3 scripts/bench_kernels.py --only mla --batch 16 64 256 --context 2048 8192 --heads 16 --kv bf16 fp8
+G='[{"kernel":["triton"],"block_n":[32,64],"num_stages":[1,2,3]},{"kernel":["pallas"]}]'
+run mla128s 240 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv bf16 fp8 --sweep --sweep-kv bf16 fp8 --grid "$G"
+run mla16s 120 python3 scripts/bench_kernels.py --only mla --batch 256 --context 2048 --heads 16 --kv bf16 fp8 --sweep --sweep-kv bf16 fp8 --grid "$G"
+fi
+if [ "$PH" = all ] || [ "$PH" = c ]; then
+run mla128 300 python3 scripts/bench_kernels.py --only mla --batch 16 64 197 512 --context 2048 8192 --heads 128 --kv bf16 fp8
+run mla16 200 python3 scripts/bench_kernels.py --only mla --batch 16 64 256 --context 2048 8192 --heads 16 --kv bf16 fp8
 fi

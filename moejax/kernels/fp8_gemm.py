@@ -24,7 +24,9 @@ from pallas_kernels.triton_block_fp8 import act_quant_triton, block_fp8_matmul
 # The thresholds (rows M of the GEMM):
 # - W8A8 on the Pallas kernel for DENSE_W8A8_ROWS: XLA's weight pass (fp8 read, bf16 written and read
 #   again) costs more there; above (prefill) the pass is amortised: cuBLASLt's FP8 GEMM where built, else
-#   XLA. Decode keeps Pallas (cuBLASLt's step stalls between ops: not understood).
+#   XLA. Decode keeps Pallas for now: cuBLASLt's stall there is gone since its FFI target is command-buffer
+#   compatible, and it measured 5-6% faster at 512 x 2048 (benchmarks/2026-12-07/h100/r1/step_*.txt); moving
+#   DENSE_W8A8_ROWS to it is the next change (BENCHMARKS.md 2026-12-07).
 # - W8A16 on the Pallas kernel up to W8A16_MAX_ROWS on CUDA (XLA's dequantise-then-dot beat it above);
 #   ROCm keeps the kernel (not measured).
 DENSE_W8A8_ROWS = (256, 2048)

@@ -6,8 +6,8 @@ Rule: Triton for any FP8 cache on CUDA with jax-triton (Hopper: up to 216 KB of 
 64 KB of LDS cannot hold its tiles); else Pallas, or XLA for an FP8 cache with 64+ heads
 (paged_decode.slow_fp8). Several query rows a sequence (the speculative verify) go to the Triton kernel
 together (it reads a sequence's context once for all its rows) over an FP8 cache.
-Measured: BENCHMARKS.md, "MLA and MFA decode kernels" (H100 sweep 2026-12-06e; rows together
-benchmarks/2026-12-06d/h100/r1/rows.txt).
+Measured: BENCHMARKS.md, "MLA and MFA decode kernels" (H100 tiling sweep benchmarks/2026-12-07/h100/r1/mla128s.txt
+and mla16s.txt; rows together benchmarks/2026-12-06d/h100/r1/rows.txt).
 """
 
 from __future__ import annotations
