@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax._src.lib import xla_client  # the FFI target's traits (no public name for them)
 
 from pallas_kernels.compat import platform
 from pallas_kernels.fp8_utils import SCALE_BLOCK, act_quant
@@ -55,7 +56,6 @@ def available() -> tuple[bool, str]:
         return False, f"{path} does not load ({e}); rebuild it with ffi/cuda/build.sh"
     # Command-buffer compatible: XLA keeps the call inside the step's CUDA graph (the handler's workspace is
     # its own, ffi/cuda/fp8_block_gemm.cc); without the trait each call split the graph.
-    from jax._src.lib import xla_client
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.MoejaxFp8BlockGemm), platform="CUDA",
                                 traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
     return True, ""
