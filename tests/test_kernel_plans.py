@@ -4,6 +4,8 @@ functions plus the dispatch its callers ran: the Triton bf16 MoE, the Triton W8A
 cuBLASLt, the dequantised bf16 experts) over the cases below, under CPU, CUDA and ROCm, with and without
 jax-triton and cuBLASLt, and under each kernel override; a change of outcome fails here. The whole grid
 (34,008 cases) was compared once when the package was made; the file keeps a third of it.
+Rule changes since, re-recorded (only the cases named changed): 2026-12-07, W8A8 dense GEMMs from
+DENSE_W8A8_ROWS[0] rows on CUDA with cuBLASLt built run cuBLASLt (24 cases were Pallas).
 And each layer entry point returns an array on every path (XLA, and the kernels in the interpreter)."""
 
 import gzip

@@ -22,11 +22,10 @@ from pallas_kernels.fp8_utils import SCALE_BLOCK, VARIANTS, act_dequant, act_qua
 from pallas_kernels.triton_block_fp8 import act_quant_triton, block_fp8_matmul
 
 # The thresholds (rows M of the GEMM):
-# - W8A8 on the Pallas kernel for DENSE_W8A8_ROWS: XLA's weight pass (fp8 read, bf16 written and read
-#   again) costs more there; above (prefill) the pass is amortised: cuBLASLt's FP8 GEMM where built, else
-#   XLA. Decode keeps Pallas for now: cuBLASLt's stall there is gone since its FFI target is command-buffer
-#   compatible, and it measured 5-6% faster at 512 x 2048 (benchmarks/2026-12-07/h100/r1/step_*.txt); moving
-#   DENSE_W8A8_ROWS to it is the next change (BENCHMARKS.md 2026-12-07).
+# - W8A8 from DENSE_W8A8_ROWS[0] rows: cuBLASLt's FP8 GEMM where its library is built on CUDA (5-6% faster
+#   than the Pallas kernel in the 512 x 2048 FP8 step, no stall since its FFI target is command-buffer
+#   compatible: BENCHMARKS.md 2026-12-07); without it the Pallas kernel up to DENSE_W8A8_ROWS[1] (XLA's
+#   weight pass, fp8 read and bf16 written and read again, costs more there) and XLA above (amortised).
 # - W8A16 on the Pallas kernel up to W8A16_MAX_ROWS on CUDA (XLA's dequantise-then-dot beat it above);
 #   ROCm keeps the kernel (not measured).
 DENSE_W8A8_ROWS = (256, 2048)
@@ -70,20 +69,21 @@ def as_triton_fp8(w, fp8):
 
 
 def dense_w8a8_kernel(rows: int) -> str | None:
-    """Which kernel runs a W8A8 dense projection of ``rows`` rows on CUDA, or None (W8A16): the Pallas
-    kernel for DENSE_W8A8_ROWS; above them cuBLASLt's where its library is built. The ``w8a8_dense_kernel``
-    setting (or ``MOEJAX_W8A8_DENSE_KERNEL``) forces a family from DENSE_W8A8_ROWS[0]: "pallas" / "triton"
-    within the range, "cublaslt" with no upper bound (without the library it raises at the first call)."""
+    """Which kernel runs a W8A8 dense projection of ``rows`` rows on CUDA, or None (W8A16): from
+    DENSE_W8A8_ROWS[0] rows cuBLASLt's where its library is built, else the Pallas kernel up to
+    DENSE_W8A8_ROWS[1]. The ``w8a8_dense_kernel`` setting (or ``MOEJAX_W8A8_DENSE_KERNEL``) forces a family
+    from DENSE_W8A8_ROWS[0]: "pallas" / "triton" within the range, "cublaslt" with no upper bound (without
+    the library it raises at the first call)."""
     want = common.override("w8a8_dense_kernel", W8A8_DENSE_KERNEL_ENV, W8A8_DENSE_KERNELS)
     lo, hi = DENSE_W8A8_ROWS
     if rows < lo:
         return None
     if want == "cublaslt":
         return want
-    if rows <= hi:
-        return "pallas" if want == "auto" else want
     if want == "auto" and common.platform() == "cuda" and cublaslt_fp8_gemm.available()[0]:
         return "cublaslt"
+    if rows <= hi:
+        return "pallas" if want == "auto" else want
     return None
 
 
