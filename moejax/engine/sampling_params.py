@@ -22,6 +22,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # the sampled token's logprob
     top_logprobs: int = 0  # also the N most likely tokens of each position, with their logprobs
+    # vLLM's: each prompt token's logprob (and its N most likely alternatives) from the prefill; None: off
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False  # the matched stop string ends the text (vLLM's)
     skip_special_tokens: bool = True  # the text leaves special tokens out (vLLM's)
 
@@ -59,3 +61,5 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         check_num("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS, integer=True)
+        if self.prompt_logprobs is not None:
+            check_num("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS, integer=True)

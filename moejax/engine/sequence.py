@@ -37,6 +37,9 @@ class Sequence:
         self.logprobs: list[float] = []  # of each output token, when params.logprobs
         # per output token, when params.top_logprobs: the most likely (token id, logprob), descending
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.cumulative_logprob = 0.0  # of the output tokens (raw distribution): best_of ranks by it
+        # when params.prompt_logprobs: prompt tokens 1.. (engine/prompt_logprobs.py's PromptLogprob each)
+        self.prompt_logprobs: list = []
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it was given up (finish_reason "error")
         self.text = ""
