@@ -27,3 +27,7 @@ fi
 if [ "$PH" = all ] || [ "$PH" = c ]; then
 run spec 300 python3 scripts/bench_spec_decode.py --preset deepseek-v3-ep8-rank --layers 2,4 --batch 16,64,197 --k 0,1,2 --input-len 2000 --kv-dtype fp8 --json $R/spec.json
 fi
+if [ "$PH" = probe1 ] || [ "$PH" = probe2 ]; then
+S=$([ "$PH" = probe1 ] && echo 512x2048 || echo "64x8192 197x2048")
+run $PH 280 python3 benchmarks/2026-12-07b/mla_probe.py $S $R/$PH.json
+fi
