@@ -57,9 +57,8 @@ NOT_NEUTRAL = {
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"regex": "a"},
     "priority": 1, "logits_processors": ["m.P"], "cache_salt": "salt",
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-    "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
-    "reasoning_effort": "low", "include_reasoning": False, "continue_final_message": True,
+    "functions": [{"name": "f"}], "function_call": "auto",
+    "reasoning_effort": "low", "continue_final_message": True,
     "documents": [{"title": "t", "text": "x"}], "chat_template": "{{ messages }}", "mm_processor_kwargs": {"a": 1},
 }
 

@@ -186,6 +186,7 @@ async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
     detok = protocol.IncrementalText(ctx.tokenizer, req.params.stop, req.params.include_stop_str_in_output,
                                      req.params.skip_special_tokens)
     n_out = 0
+    parser = req.parsing.new() if req.parsing is not None else None  # reasoning / tool calls out of the deltas
     if req.chat:
         await resp.write(_sse(protocol.stream_chunk(req, rid, created, None, [], None, None, ctx.tokenizer,
                                                     first=True, completion_tokens=0)))
@@ -219,7 +220,7 @@ async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
             delta += detok.finish(ev.text)  # the engine's final text: stop strings already cut
         chunk = protocol.stream_chunk(req, rid, created, delta, ids, lps if ids else None,
                                       ev.finish_reason, ctx.tokenizer, text_offset=offset, tops=tops,
-                                      completion_tokens=n_out)
+                                      completion_tokens=n_out, parser=parser)
         await resp.write(_sse(chunk))
         if ev.finish_reason is not None:
             break
@@ -333,17 +334,19 @@ def build_app(aengine: AsyncEngine, ctx: protocol.ServingContext, policy: Access
 
 def make_app(model, model_name: str | None = None, extra_names=(), policy: AccessPolicy | None = None,
              max_body_bytes: int = MAX_BODY_BYTES, engine=None,
-             precompile: bool = False, generation_config: str = "auto") -> tuple[web.Application, AsyncEngine]:
+             precompile: bool = False, generation_config: str = "auto",
+             parsers: dict | None = None) -> tuple[web.Application, AsyncEngine]:
     """The app and its (started) AsyncEngine for a loaded moejax Model, driving ``engine`` (default:
     the model's; a multi-process server's process 0 passes its LeaderEngine). ``precompile``: the engine
     compiles every program before it serves (/health 503 "starting" until then). ``generation_config``:
-    "auto" (the checkpoint's generation_config.json sampling defaults), "vllm" (none) or a directory."""
+    "auto" (the checkpoint's generation_config.json sampling defaults), "vllm" (none) or a directory.
+    ``parsers``: the chat answer's parsers, ServingContext's fields (cli.serving_parsers)."""
     name = model_name or model.source_dir
     names = tuple(dict.fromkeys([name, *extra_names, model.source_dir]))
     defaults = protocol.generation_defaults(model.source_dir if generation_config == "auto" else generation_config)
     aengine = AsyncEngine(engine if engine is not None else model.engine, name, precompile=precompile).start()
     ctx = protocol.ServingContext(names, model.tokenizer, model.max_model_len, model.config.model.vocab_size,
-                                  defaults)
+                                  defaults, **(parsers or {}))
     app = build_app(aengine, ctx, policy, max_body_bytes)
 
     async def _cleanup(_app):

@@ -52,8 +52,11 @@ from moejax.parallel.step_channel import StepChannel
 from moejax.server import protocol
 from moejax.server.access import AccessPolicy
 from moejax.server.app import build_app, free_port, make_app
+from moejax.server.chat_output import check_markers
 from moejax.server.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S, Server
+from moejax.server.reasoning_parsers import REASONING_PARSERS
 from moejax.server.router import Router, WorkerHandle
+from moejax.server.tool_parsers import TOOL_PARSERS
 from moejax.server.worker import WorkerConfig, add_worker_routes
 from moejax.tiny.default_model import default_model_path
 from moejax.tokenizer import Tokenizer
@@ -87,6 +90,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--chat-template", help="a Jinja chat template (a file, or the text) in place of the tokenizer's")
     ap.add_argument("--generation-config", default="auto",
                     help="auto: the checkpoint's generation_config.json sampling defaults; vllm: none; or a directory")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='tool_choice "auto" (the default with tools): the calls the model writes returned as '
+                         "tool_calls, read by --tool-call-parser; without it, tools are refused unless "
+                         'tool_choice is "none"')
+    ap.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                    help="the format the model writes its tool calls in (vLLM's names)")
+    ap.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                    help="chat answers' thinking (before </think>) returned as reasoning_content, apart from content")
     ap.add_argument("--max-request-mb", type=float, default=32.0, help="request bodies above this get 413")
     ap.add_argument("--peer-timeout", type=float, default=10.0,
                     help="multi-process: seconds without a heartbeat after which process 0 declares another "
@@ -128,7 +139,24 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     if a.model_tag is not None and a.model is not None and a.model_tag != a.model:
         ap.error(f"MODEL {a.model_tag!r} and --model {a.model!r} differ: give one")
     a.model = a.model if a.model is not None else a.model_tag
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        ap.error("--enable-auto-tool-choice requires --tool-call-parser")
     return a
+
+
+def serving_parsers(a: argparse.Namespace, tokenizer) -> dict:
+    """ServingContext's parser fields from --reasoning-parser, --tool-call-parser and --enable-auto-tool-choice,
+    checked against the tokenizer (a SystemExit naming the flag)."""
+    out = {"enable_auto_tool_choice": a.enable_auto_tool_choice}
+    for flag, key, table, name in (("--reasoning-parser", "reasoning_parser", REASONING_PARSERS, a.reasoning_parser),
+                                   ("--tool-call-parser", "tool_parser", TOOL_PARSERS, a.tool_call_parser)):
+        if name is not None:
+            try:
+                check_markers(tokenizer, table[name], f"{flag} {name}")
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
+            out[key] = table[name]
+    return out
 
 
 def build_load_kwargs(a: argparse.Namespace) -> dict:
@@ -174,7 +202,7 @@ def main(argv=None, prog: str | None = None) -> int:
     policy = AccessPolicy(api_key=a.api_key or None, allowed_origins=origins, bind_host=a.host)
     app, aengine = make_app(model, name or a.model, extra_names=(a.model,) if a.model else (), policy=policy,
                             max_body_bytes=int(a.max_request_mb * (1 << 20)), engine=engine, precompile=a.precompile,
-                            generation_config=a.generation_config)
+                            generation_config=a.generation_config, parsers=serving_parsers(a, model.tokenizer))
     if multi:
         peer_watch.watch(aengine.fail, a.peer_timeout)
     print(f"Serving {name or a.model} on http://{a.host}:{a.port}  (max_model_len={model.max_model_len}, "
@@ -317,7 +345,7 @@ def serve_disaggregated(a: argparse.Namespace, path: str, name: str) -> int:
         tokenizer = Tokenizer(tokenizer_source(path, a.load_format))
         if a.chat_template:
             tokenizer.set_chat_template(a.chat_template)
-        ctx = protocol.ServingContext(names, tokenizer, max_len, vocab)
+        ctx = protocol.ServingContext(names, tokenizer, max_len, vocab, **serving_parsers(a, tokenizer))
         origins = tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip())
         policy = AccessPolicy(api_key=a.api_key or None, allowed_origins=origins, bind_host=a.host)
         app = build_app(router, ctx, policy, int(a.max_request_mb * (1 << 20)))

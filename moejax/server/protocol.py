@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from moejax.engine.sampling_params import SamplingParams
 from moejax.json_file import load_json_file
 from moejax.server import schemas
+from moejax.server.chat_output import ChatOutput, OutputParsing
 
 class APIError(Exception):
     """Becomes {"error": {"message", "type", "param", "code"}} with HTTP `status`."""
@@ -39,6 +40,9 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     defaults: dict = dataclasses.field(default_factory=dict)  # generation_config.json's: generation_defaults()
+    reasoning_parser: type | None = None  # --reasoning-parser's class (reasoning_parsers.py)
+    tool_parser: type | None = None  # --tool-call-parser's class (tool_parsers.py)
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" parses calls
 
     @property
     def max_prompt_chars(self) -> int:
@@ -84,6 +88,7 @@ class ParsedRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens shown as "token_id:<id>"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     request_id: str | None = None  # the client's: the response's id
+    parsing: OutputParsing | None = None  # chat: the answer's reasoning / tool calls taken out (chat_output.py)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -144,7 +149,7 @@ def _content_text(content, i: int) -> str:
     return "".join(parts)
 
 
-_TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
 
 
 def _template_message(m, i: int) -> dict:
@@ -168,7 +173,10 @@ def _chat_prompt_ids(body, ctx: ServingContext) -> list[int]:
     if clash:
         raise APIError(f"'chat_template_kwargs' may not set {clash[0]!r}: the server sets it", param="chat_template_kwargs")
     try:
-        text = ctx.tokenizer.apply_chat_template(clean, add_generation_prompt=body.add_generation_prompt, **kwargs)
+        # tools as HF's apply_chat_template passes them: the list of definitions, or None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if getattr(body, "tools", None) else None
+        text = ctx.tokenizer.apply_chat_template(clean, add_generation_prompt=body.add_generation_prompt, tools=tools,
+                                                 **kwargs)
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
     except Exception as e:  # noqa: BLE001 - a template error on odd input is the client's problem
@@ -249,7 +257,38 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     so = body.stream_options
     return ParsedRequest(chat, prompts, params, body.stream, so.include_usage if so else False, logprobs,
                          body.return_token_ids, model, top_n, body.return_tokens_as_token_ids,
-                         so.continuous_usage_stats if so else False, body.request_id)
+                         so.continuous_usage_stats if so else False, body.request_id,
+                         _output_parsing(body, ctx) if chat else None)
+
+
+def _output_parsing(body, ctx: ServingContext) -> OutputParsing | None:
+    """What the chat answer is parsed for, from tools / tool_choice / parallel_tool_calls / include_reasoning and
+    the server's parsers (vLLM's rules: tools default tool_choice to "auto", which needs
+    --enable-auto-tool-choice and --tool-call-parser); None: the answer is all content."""
+    tools = body.tools or None
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise APIError("When using 'tool_choice', 'tools' must be set.", param="tool_choice")
+    param = "tool_choice" if body.tool_choice is not None else "tools"
+    if choice == "auto" and not (ctx.enable_auto_tool_choice and ctx.tool_parser is not None):
+        raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                       "(tool_choice \"none\" passes the tools to the chat template only)", param=param)
+    if choice != "none" and choice != "auto":
+        raise APIError(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'!r} is not supported "
+                       "by this server (it needs structured outputs); it is refused rather than ignored",
+                       param="tool_choice")
+    strict = [t.function.name for t in tools or () if t.function.strict]
+    if strict and choice == "auto":
+        raise APIError(f"tools[].function.strict true ({strict[0]!r}): \"auto\" calls are not held to their schema "
+                       "by a grammar here; it is refused rather than ignored", param="tools")
+    if body.include_reasoning is False and ctx.reasoning_parser is None:
+        raise APIError("'include_reasoning' false needs the server started with --reasoning-parser (without one the "
+                       "reasoning is part of the content)", param="include_reasoning")
+    if ctx.reasoning_parser is None and choice != "auto":
+        return None
+    return OutputParsing(ctx.reasoning_parser, ctx.tool_parser if choice == "auto" else None,
+                         tuple(t.model_dump(exclude_none=True) for t in tools or ()),
+                         body.include_reasoning is not False, body.parallel_tool_calls is not False)
 
 
 # ----- the tokenizer endpoints (vLLM's /tokenize, /detokenize, /tokenizer_info) --------------
@@ -381,7 +420,11 @@ def full_response(req: ParsedRequest, rid: str, outputs: list[Output], tokenizer
     choices = []
     for i, o in enumerate(outputs):
         lp_obj = logprobs_object(req, tokenizer, o.token_ids, o.lps or [], o.tops) if req.logprobs else None
-        if req.chat:
+        if req.chat and req.parsing is not None:
+            out = req.parsing.new()
+            choice = {"index": i, "message": out.message(o.text), "logprobs": lp_obj,
+                      "finish_reason": out.finish_reason(o.finish_reason)}
+        elif req.chat:
             choice = {"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": lp_obj,
                       "finish_reason": o.finish_reason}
         else:
@@ -401,14 +444,21 @@ def full_response(req: ParsedRequest, rid: str, outputs: list[Output], tokenizer
 
 def stream_chunk(req: ParsedRequest, rid: str, created: int, delta_text: str | None, token_ids: list[int],
                  lps: list[float] | None, finish_reason: str | None, tokenizer, first: bool = False,
-                 text_offset: int = 0, tops: list | None = None, completion_tokens: int | None = None) -> dict:
-    """``completion_tokens``: the tokens so far, for stream_options.continuous_usage_stats (usage: null else)."""
+                 text_offset: int = 0, tops: list | None = None, completion_tokens: int | None = None,
+                 parser: ChatOutput | None = None) -> dict:
+    """``completion_tokens``: the tokens so far, for stream_options.continuous_usage_stats (usage: null else);
+    ``parser``: the stream's ChatOutput (req.parsing.new()), which makes the chat delta."""
     lp_obj = None
     if req.logprobs and token_ids:
         lp_obj = logprobs_object(req, tokenizer, token_ids, lps or [], tops, text_offset)
     if req.chat:
-        delta = {"role": "assistant", "content": ""} if first else (
-            {"content": delta_text} if delta_text or finish_reason is None else {})
+        if first:
+            delta = {"role": "assistant", "content": ""}
+        elif parser is not None:
+            delta = parser.feed(delta_text or "", final=finish_reason is not None)
+            finish_reason = parser.finish_reason(finish_reason)
+        else:
+            delta = {"content": delta_text} if delta_text or finish_reason is None else {}
         choice = {"index": 0, "delta": delta, "logprobs": lp_obj, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": delta_text or "", "logprobs": lp_obj, "finish_reason": finish_reason}

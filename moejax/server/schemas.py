@@ -15,7 +15,7 @@ Cross-field rules (lengths against max_model_len, ...) stay in protocol.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -112,6 +112,27 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None  # a tool message's answer to one
 
 
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # its arguments' JSON schema (the chat template shows it)
+    strict: bool | None = None  # true: protocol.py refuses it (no grammar holds "auto" calls to the schema)
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] | None = None
     max_completion_tokens: Count | None = None
@@ -120,13 +141,13 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     echo: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     reasoning_effort: Any = None
-    include_reasoning: Any = None
+    include_reasoning: bool | None = None
     continue_final_message: Any = None
     documents: Any = None
     chat_template: Any = None
@@ -171,6 +192,9 @@ HONOURED = {
     "add_generation_prompt": "chat template", "chat_template_kwargs": "chat template's variables",
     "request_id": "the response's id (cmpl-<id> / chatcmpl-<id>, vLLM's)",
     "include_stop_str_in_output": "engine's stop cut and the stream's", "skip_special_tokens": "detokenisation",
+    "tools": "chat template; parsed from the answer with --tool-call-parser (chat_output.py)",
+    "tool_choice": "none: not parsed; auto: --enable-auto-tool-choice's parser", "parallel_tool_calls": "false: the first call only",
+    "include_reasoning": "false: reasoning_content left out (--reasoning-parser)",
 }
 
 # Refused (400 naming the field) unless given this value, which is what the server does anyway.
@@ -184,8 +208,8 @@ NEUTRAL_ONLY = {
     "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
     "structural_tag": None, "structured_outputs": None, "priority": 0,
     "logits_processors": None, "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None,
-    "tools": [], "tool_choice": "none", "parallel_tool_calls": None, "functions": None, "function_call": None,
-    "reasoning_effort": None, "include_reasoning": True, "continue_final_message": False,
+    "functions": None, "function_call": None,
+    "reasoning_effort": None, "continue_final_message": False,
     "documents": None, "chat_template": None, "mm_processor_kwargs": None,
 }
 
