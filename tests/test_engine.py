@@ -365,4 +365,4 @@ def test_untruncated_sampling_skips_the_sort_with_the_same_tokens():
     assert SampleMode.of([SamplingParams(temperature=0.7)]).truncate is False
     assert SampleMode.of([SamplingParams(temperature=0.7, top_p=0.9)]).truncate is True
     assert SampleMode.of([SamplingParams(top_k=5), SamplingParams(temperature=1.0)]).truncate is False
-    assert len(set(SampleMode.all())) == 6
+    assert len(set(SampleMode.all())) == 7  # six without the controls, and the controls variant

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from moejax.config import EngineConfig
 from moejax.engine.block_manager import BlockManager
 from moejax.engine.model_runner import DecodeStep, ModelRunner
+from moejax.engine import sample_controls
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.scheduler import Scheduler
 from moejax.engine.sequence import Sequence
@@ -116,6 +117,8 @@ class LLMEngine:
             raise ValueError(f"prompt has {n} tokens, more than the KV cache can hold")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(prompt_ids, params, seed, request_id)
+        seq.controls = sample_controls.prepare(params, self.tokenizer, vocab, self.eos_token_ids,
+                                               speculative=self.runner.spec is not None)
         self.scheduler.add(seq)
         return seq
 

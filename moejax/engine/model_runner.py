@@ -43,9 +43,10 @@ from moejax.engine import executable_set
 from moejax.engine.buckets import Buckets, next_pow2, powers_of_two, token_bucket
 from moejax.engine.sequence import Sequence
 from moejax.engine.proposer import Proposer
+from moejax.engine.sample_controls import ControlState
 from moejax.engine.speculative import SpecDecoder
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
-from moejax.layers.sampler import MAX_TOP_LOGPROBS, SampleMode, sample
+from moejax.layers.sampler import MAX_TOP_LOGPROBS, SampleMode, read_history, record, sample
 from moejax.parallel.processes import agree_min, to_host
 from moejax.parallel.sharding import RANK, REPLICATED, param_specs
 
@@ -164,6 +165,8 @@ class ModelRunner:
         self._decode = self.compile_step(self._decode_rank, "decode")
         self._score = self.compile_step(self._score_rank, "score", with_cache=False)
         self._sample = self._compile_sample()
+        self.controls = ControlState(self)  # the controls variant's inputs and history rows (sample_controls.py)
+        self._sample_history_load = self.controls.load  # a runner attribute: the executable set finds it
         # Decode input tokens live here whether the host or the step in flight (feed) gives them: one
         # sharding, so the decode step is one program for both.
         self._tok_sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
@@ -293,30 +296,35 @@ class ModelRunner:
 
     def _compile_sample(self):
         """The sampler over a step's logits [N, B, V] (each rank its own rows), one compiled variant per
-        SampleMode (static ``mode``, the last argument: layers/sampler.py says why it is not decided on the
-        device)."""
+        SampleMode (static ``mode``, the seventh argument: layers/sampler.py says why it is not decided on the
+        device); the controls variant's SampleControls and History after it (None in the others), the
+        History donated and returned with the sampled tokens counted."""
         pad = self.buckets.max_decode_batch
 
-        def per_rank(logits, temp, top_p, top_k, seeds, positions, mode):
+        def per_rank(logits, temp, top_p, top_k, seeds, positions, controls, history, *, mode):
             self.trace_counts["sample"] += 1
-            out = sample(logits[0], temp[0], top_p[0], top_k[0], seeds[0], positions[0], mode=mode)
+            args = (logits[0], temp[0], top_p[0], top_k[0], seeds[0], positions[0])
+            if mode.controls:
+                controls, history = (jax.tree.map(lambda a: a[0], t) for t in (controls, history))
+                row, recent = read_history(history, controls.rows)
+                out = sample(*args, mode=mode, controls=controls, history_row=row, recent=recent)
+                history = jax.tree.map(lambda a: a[None], record(history, controls.rows, out[0]))
+            else:
+                out = sample(*args, mode=mode)
             # The tokens again, padded to the largest decode batch: the next decode step's input gather
             # (feed) then takes one shape whatever the batch it came from.
             # (A speculative verify's rows may outnumber it: that feed is never used.)
             fed = jnp.zeros((pad,), jnp.int32).at[:min(out[0].shape[0], pad)].set(out[0][:pad])
-            return jax.tree.map(lambda a: a[None], (*out, fed))
+            return jax.tree.map(lambda a: a[None], (*out, fed)), history
 
-        if self.mesh is None:
-            fn = per_rank
-        else:
-            mesh = self.mesh
-
-            def fn(*args):
-                *arrays, mode = args
-                return jax.shard_map(functools.partial(per_rank, mode=mode), mesh=mesh, in_specs=RANK,
-                                     out_specs=RANK, check_vma=False)(*arrays)
-        # ``mode`` is the last positional argument (jit takes no keywords with in_shardings).
-        return PrecompiledFunction(jax.jit(fn, static_argnums=(6,), **self._one_device()), "sample", (6,))
+        def fn(logits, temp, top_p, top_k, seeds, positions, mode, controls, history):
+            body = functools.partial(per_rank, mode=mode)
+            if self.mesh is not None:
+                body = jax.shard_map(body, mesh=self.mesh, in_specs=RANK, out_specs=RANK, check_vma=False)
+            return body(logits, temp, top_p, top_k, seeds, positions, controls, history)
+        # ``mode`` is positional (jit takes no keywords with in_shardings).
+        return PrecompiledFunction(jax.jit(fn, static_argnums=(6,), donate_argnums=(8,), **self._one_device()),
+                                   "sample", (6,))
 
     # ----- start-up compilation ---------------------------------------------
     def abstract(self, shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
@@ -360,7 +368,8 @@ class ModelRunner:
             info = p.out_info()[1]
             logits.setdefault(p.sample_rows, self.abstract(info.shape, info.dtype))
         sample = [Program(f"sample rows={rows} {m}", self._sample,
-                          (sds, *self._sampling_arrays([[]] * N, rows), i32(rows), m))
+                          (sds, *self._sampling_arrays([[]] * N, rows), i32(rows), m,
+                           *self.controls.abstract(m, rows)))
                   for rows, sds in logits.items() for m in SampleMode.all()]
         prev = self.abstract((N, self.buckets.max_decode_batch), jnp.int32)
         feed = [Program(f"feed B={B}", self._feed, (prev, i32(B), i32(B)))
@@ -373,7 +382,7 @@ class ModelRunner:
             sds = self.abstract((self.cache.shape[1], P, self.row_dim), self.cache.dtype,
                                 NamedSharding(self.mesh, REPLICATED) if self.mesh is not None else None)
             rows.append(Program(f"import_rows P={P}", self._import, (self.cache, np.int32(0), slots, sds)))
-        return steps + sample + feed + own + rows
+        return steps + sample + [Program(*p) for p in self.controls.programs()] + feed + own + rows
 
     def precompile(self, progress: bool = True, threads: int | None = None) -> dict:
         """Compiles every program of ``precompile_programs``, so no request compiles anything; with JAX's
@@ -433,7 +442,11 @@ class ModelRunner:
         arrays = self._sampling_arrays(ranks, B)
         if rows_per_seq > 1:
             arrays = [np.repeat(a, rows_per_seq, axis=1) for a in arrays]
-        return self._sample(logits, *arrays, positions, SampleMode.of(s.params for rs in ranks for s in rs))
+        mode = SampleMode.of(s.params for rs in ranks for s in rs)
+        sampled, history = self._sample(logits, *arrays, positions, mode,
+                                        *self.controls.inputs(mode, ranks, B, rows_per_seq))
+        self.controls.keep(history)
+        return sampled
 
     def _sampling_arrays(self, ranks: list[list[Sequence]], B: int):
         N = self.num_ranks

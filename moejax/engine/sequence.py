@@ -23,6 +23,7 @@ class Sequence:
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.params = params
+        self.controls = None  # its sampling controls laid out for the sampler (engine/sample_controls.py), if any
         self.seed = seed  # always set: drawn by the engine when the request gives none
         self.status = Status.WAITING
         self.block_table: list[int] = []
