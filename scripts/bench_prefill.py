@@ -61,6 +61,7 @@ from moejax.config import EngineConfig  # noqa: E402
 from moejax.engine.model_runner import next_pow2, packed_bucket  # noqa: E402
 from moejax.kernels import prefill  # noqa: E402
 from moejax.kernels.common import kernel_mode  # noqa: E402
+from moejax.layers.forward_batch import ForwardBatch  # noqa: E402
 from moejax.layers.linear import einsum_f32  # noqa: E402
 from moejax.layers.prefill_attention import prefill_attention  # noqa: E402
 from moejax.models.registry import abstract_params, parse_model_config  # noqa: E402
@@ -213,7 +214,7 @@ def run_point(m, cfg, B: int, S: int, path: str, a, dtype, iters: int, warmup: i
         v = {"params": params, "routing": routing}
         pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         with attention_path(path):
-            h, cache = module.apply(v, tokens, pos, lens, cache, slots, method="prefill")
+            h, cache = module.apply(v, tokens, ForwardBatch.prefill(pos, lens, slots), cache, method="prefill")
             logits = module.apply(v, h[jnp.arange(B), lens - 1], method="logits")
         return cache, logits
 
@@ -265,12 +266,13 @@ def run_mixed(m, cfg, lens: list[int], dtype, iters: int, warmup: int) -> dict:
 
     def packed(params, routing, cache, tokens, pos, slots, cu):
         v = {"params": params, "routing": routing}
-        h, cache = module.apply(v, tokens, pos, None, cache, slots, cu_seqlens=cu, method="prefill")
+        h, cache = module.apply(v, tokens, ForwardBatch.prefill(pos, slots=slots, cu_seqlens=cu), cache,
+                                 method="prefill")
         return cache, module.apply(v, h[cu[1:] - 1], method="logits")
 
     def padded(params, routing, cache, tokens, pos, slots, seq_lens):
         v = {"params": params, "routing": routing}
-        h, cache = module.apply(v, tokens, pos, seq_lens, cache, slots, method="prefill")
+        h, cache = module.apply(v, tokens, ForwardBatch.prefill(pos, seq_lens, slots), cache, method="prefill")
         return cache, module.apply(v, h[jnp.arange(B), seq_lens - 1], method="logits")
 
     out, logits = {"lens": lens, "tokens": n}, {}

@@ -11,6 +11,7 @@ import pytest
 
 from moejax.kernels import common, mfa_decode, mla_decode, moe
 from moejax.kernels.common import kernel_mode
+from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.kv_quant import cache_row_dim, dequantize_rows, quantize_rows
 from pallas_kernels import jax_triton_compat
 from pallas_kernels.fused_moe import fused_moe
@@ -402,12 +403,13 @@ def _prefill_then_decode(path, kernels, kv_cache_dtype):
 
     @jax.jit
     def step(cache):
-        h, cache = m.module.apply(v, tokens, pos, jnp.asarray(lens, jnp.int32), cache, slots, method="prefill")
+        h, cache = m.module.apply(v, tokens, ForwardBatch.prefill(pos, jnp.asarray(lens, jnp.int32), slots), cache,
+                                  method="prefill")
         pre = m.module.apply(v, h[jnp.arange(B), lens - 1], method="logits")
         nxt = jnp.asarray(tokens[np.arange(B), lens - 1] + 1, jnp.int32) % cfg.vocab_size
         dslots = jnp.asarray(tables[np.arange(B), lens // bs] * bs + lens % bs, jnp.int32)
-        h, cache = m.module.apply(v, nxt, jnp.asarray(lens, jnp.int32), cache, dslots, tables,
-                                  jnp.asarray(lens + 1, jnp.int32), bs, method="decode")
+        h, cache = m.module.apply(v, nxt, ForwardBatch.decode(jnp.asarray(lens, jnp.int32), dslots, tables,
+                                                      jnp.asarray(lens + 1, jnp.int32), bs), cache, method="decode")
         return pre, m.module.apply(v, h, method="logits")
 
     return step(cache)

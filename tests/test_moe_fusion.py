@@ -14,6 +14,7 @@ import moejax
 from moejax.kernels import moe
 from moejax.kernels.common import kernel_mode, shared_expert_fusion
 from moejax.layers.experts import ExpertWeights, SharedWeights, grouped_expert_mlp
+from moejax.layers.forward_batch import ForwardBatch
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 from pallas_kernels.fused_moe import fused_moe
@@ -141,12 +142,13 @@ def prefill_then_decode(path, kernels="auto", fuse="auto"):
 
     @jax.jit
     def step(cache):
-        h, cache = m.module.apply(v, tokens, pos, jnp.asarray(lens, jnp.int32), cache, slots, method="prefill")
+        h, cache = m.module.apply(v, tokens, ForwardBatch.prefill(pos, jnp.asarray(lens, jnp.int32), slots), cache,
+                                  method="prefill")
         pre = m.module.apply(v, h, method="logits")
         nxt = jnp.asarray(tokens[np.arange(B), lens - 1] + 1, jnp.int32) % cfg.vocab_size
         dslots = jnp.asarray(tables[np.arange(B), lens // bs] * bs + lens % bs, jnp.int32)
-        h, cache = m.module.apply(v, nxt, jnp.asarray(lens, jnp.int32), cache, dslots, tables,
-                                  jnp.asarray(lens + 1, jnp.int32), bs, method="decode")
+        h, cache = m.module.apply(v, nxt, ForwardBatch.decode(jnp.asarray(lens, jnp.int32), dslots, tables,
+                                                      jnp.asarray(lens + 1, jnp.int32), bs), cache, method="decode")
         return pre, m.module.apply(v, h, method="logits")
 
     pre, dec = step(cache)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import moejax
+from moejax.layers.forward_batch import ForwardBatch
 from moejax.models.deepseek import require_mtp
 from moejax.models.registry import abstract_params, parse_model_config
 from moejax.parallel.sharding import EXPERT, RANK, REPLICATED, param_specs
@@ -73,7 +74,8 @@ def _main_hidden(m, ids):
     """The main model's hidden states (before its final norm) of prompts ids [B, S]."""
     B, S = ids.shape
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    f = jax.jit(lambda v, t, p: m.module.apply(v, t, p, jnp.full((B,), S, jnp.int32), method="prefill")[0])
+    f = jax.jit(lambda v, t, p: m.module.apply(v, t, ForwardBatch.prefill(p, jnp.full((B,), S, jnp.int32)),
+                                                 method="prefill")[0])
     return f(_vars(m), jnp.asarray(ids, jnp.int32), pos)
 
 
@@ -82,7 +84,7 @@ def _mtp(m, tokens, positions, prev):
     B, S = tokens.shape
 
     def f(v, t, p, h):
-        hm, _ = m.module.apply(v, t, p, h, jnp.full((B,), S, jnp.int32), method="mtp_hidden")
+        hm, _ = m.module.apply(v, t, h, ForwardBatch.prefill(p, jnp.full((B,), S, jnp.int32)), method="mtp_hidden")
         x = m.module.apply(v, t, h, method=lambda mod, t, h: mod.mtp.project(mod.embed_tokens(t), h))
         return x, hm, m.module.apply(v, hm, method="mtp_logits")
     return [np.asarray(a) for a in jax.jit(f)(_vars(m), jnp.asarray(tokens, jnp.int32), jnp.asarray(positions), prev)]
@@ -312,7 +314,8 @@ def test_mtp_sharded_and_placed_like_a_decoder_layer(ckpts):
 
     def per_rank(params, routing, t, p, h):
         v = {"params": params, "routing": routing}
-        hm, _ = m.module.apply(v, t[0], p[0], h[0], jnp.full((B,), S, jnp.int32), method="mtp_hidden")
+        hm, _ = m.module.apply(v, t[0], h[0], ForwardBatch.prefill(p[0], jnp.full((B,), S, jnp.int32)),
+                               method="mtp_hidden")
         return m.module.apply(v, hm, method="mtp_logits")[None]
 
     fn = jax.jit(jax.shard_map(per_rank, mesh=m.mesh, in_specs=(param_specs(m.params), REPLICATED, RANK, RANK, RANK),

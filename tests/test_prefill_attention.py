@@ -13,6 +13,7 @@ import pytest
 
 from moejax.kernels import common, prefill
 from moejax.kernels.common import kernel_mode
+from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.prefill_attention import paged_prefill_attention, prefill_attention
 from pallas_kernels.flash_prefill_attention import flash_packed_prefill_attention, flash_prefill_attention
 
@@ -271,7 +272,8 @@ def _tiny(name):
     def one_shot(v, cache, tokens, slots):
         pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (len(LENS), S))
         with kernel_mode("xla"):
-            h, cache = module.apply(v, tokens, pos, jnp.asarray(LENS, jnp.int32), cache, slots, method="prefill")
+            h, cache = module.apply(v, tokens, ForwardBatch.prefill(pos, jnp.asarray(LENS, jnp.int32), slots), cache,
+                                     method="prefill")
         return module.apply(v, h, method="logits"), cache
 
     return cfg, module, routing, one_shot
@@ -305,7 +307,7 @@ def test_chunked_prefill_matches_one_shot(name, mode, segment, monkeypatch):
 
     @jax.jit
     def chunk(v, cache, toks, pos, n, ctx, slots):
-        h, cache = module.apply(v, toks, pos, n, cache, slots, tables, ctx, BS, method="prefill")
+        h, cache = module.apply(v, toks, ForwardBatch.prefill(pos, n, slots, tables, ctx, BS), cache, method="prefill")
         return module.apply(v, h, method="logits"), cache
 
     got, cache = np.zeros(want.shape, np.float32), cache0
@@ -353,7 +355,8 @@ def test_packed_prefill_matches_batched(name, mode):
     @jax.jit
     def packed(v, cache, toks, pos, cu, slots):
         with kernel_mode(mode):
-            h, cache = module.apply(v, toks, pos, None, cache, slots, cu_seqlens=cu, method="prefill")
+            h, cache = module.apply(v, toks, ForwardBatch.prefill(pos, slots=slots, cu_seqlens=cu), cache,
+                                     method="prefill")
         return module.apply(v, h, method="logits"), cache
 
     got, cache = packed(v, cache0, p_tokens, p_pos, cu, p_slots)
@@ -368,7 +371,6 @@ def test_xla_prefill_memory_is_bounded():
     """The compiled XLA prefill of one MLA layer (16 heads, S = 4096, float32) against what the
     [heads, S, S] float32 scores alone need (1 GiB): XLA's memory analysis of its temporaries stays
     below 1/8 of that (the full-score form needs more than the scores)."""
-    from moejax.layers.forward_batch import ForwardBatch
     from moejax.layers.mla import MLA
     from moejax.models.registry import parse_model_config
     from moejax.tiny.presets import preset

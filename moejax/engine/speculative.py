@@ -48,6 +48,7 @@ import numpy as np
 
 from moejax.engine.proposer import Proposer
 from moejax.engine.sequence import Sequence
+from moejax.layers.forward_batch import ForwardBatch
 from moejax.parallel.processes import to_host
 
 
@@ -83,10 +84,9 @@ class SpecDecoder(Proposer):
         following token; mtp_slots drop a prompt's last row, whose following token is not sampled yet)."""
         r = self.runner
         model = r.bound_model(params, routing)
-        (h, cache), counts, dispatched = model(tokens, positions, None, cache, slots, None, None, None, cu_seqlens,
-                                               method="prefill", counted=True)
-        _, cache = model(next_tokens, positions, h, None, cache, mtp_slots, None, None, None, cu_seqlens,
-                         method="mtp_hidden")
+        batch = ForwardBatch.prefill(positions, slots=slots, cu_seqlens=cu_seqlens)
+        (h, cache), counts, dispatched = model(tokens, batch, cache, method="prefill", counted=True)
+        _, cache = model(next_tokens, h, batch.replace(slots=mtp_slots), cache, method="mtp_hidden")
         last = h[jnp.maximum(cu_seqlens[1:] - 1, 0)]
         return cache, model(last, method="logits"), counts, dispatched, last
 
@@ -94,10 +94,9 @@ class SpecDecoder(Proposer):
                            block_tables, next_tokens, mtp_slots):
         r = self.runner
         model = r.bound_model(params, routing)
-        (h, cache), counts, dispatched = model(tokens, positions, seq_lens, cache, slots, block_tables, ctx_lens,
-                                               r.block_size, method="prefill", counted=True)
-        _, cache = model(next_tokens, positions, h, seq_lens, cache, mtp_slots, block_tables, ctx_lens, r.block_size,
-                         method="mtp_hidden")
+        batch = ForwardBatch.prefill(positions, seq_lens, slots, block_tables, ctx_lens, r.block_size)
+        (h, cache), counts, dispatched = model(tokens, batch, cache, method="prefill", counted=True)
+        _, cache = model(next_tokens, h, batch.replace(slots=mtp_slots), cache, method="mtp_hidden")
         last = h[jnp.arange(tokens.shape[0]), jnp.maximum(seq_lens - 1, 0)]
         return cache, model(last, method="logits"), counts, dispatched, last
 
@@ -105,8 +104,8 @@ class SpecDecoder(Proposer):
         """The decode body over B x (k+1) rows, also returning the hidden states the MTP layer takes."""
         r = self.runner
         model = r.bound_model(params, routing)
-        (h, cache), counts, dispatched = model(tokens, positions, cache, slots, block_tables,
-                                               jnp.maximum(seq_lens, 1), r.block_size, method="decode", counted=True)
+        batch = ForwardBatch.decode(positions, slots, block_tables, jnp.maximum(seq_lens, 1), r.block_size)
+        (h, cache), counts, dispatched = model(tokens, batch, cache, method="decode", counted=True)
         return cache, model(h, method="logits"), counts, dispatched, h
 
     def _slot(self, tables, pos, capacity):
@@ -126,8 +125,8 @@ class SpecDecoder(Proposer):
         for i in range(1, self.k):
             p = pos + i
             lens = jnp.maximum(jnp.minimum(p + 1, capacity), 1)
-            m, cache = model(d, p, m, cache, self._slot(tables, p, capacity), tables, lens, r.block_size,
-                             method="mtp_decode")
+            batch = ForwardBatch.decode(p, self._slot(tables, p, capacity), tables, lens, r.block_size)
+            m, cache = model(d, m, batch, cache, method="mtp_decode")
             d = jnp.argmax(model(m, method="mtp_logits"), axis=-1).astype(jnp.int32)
             out.append(d)
         return jnp.stack(out, axis=1), cache
@@ -146,8 +145,9 @@ class SpecDecoder(Proposer):
         keep = jnp.arange(R)[None, :] <= n[:, None]  # rows P..P+n: accepted positions only
         slots = jnp.where(keep, self._slot(tables, positions, capacity), r.num_slots)
         lens = jnp.minimum(positions, positions[:, :1] + n[:, None]) + 1
-        m, cache = model(x.reshape(-1), positions.reshape(-1), h, cache, slots.reshape(-1),
-                         jnp.repeat(tables, R, axis=0), lens.reshape(-1), r.block_size, method="mtp_decode")
+        batch = ForwardBatch.decode(positions.reshape(-1), slots.reshape(-1), jnp.repeat(tables, R, axis=0),
+                                    lens.reshape(-1), r.block_size)
+        m, cache = model(x.reshape(-1), h, batch, cache, method="mtp_decode")
         m_n = m.reshape(B, R, -1)[jnp.arange(B), n]
         drafts, cache = self._chain(model, cache, m_n, positions[:, 0] + n + 1, tables, capacity)
         return cache, drafts, n
@@ -157,8 +157,9 @@ class SpecDecoder(Proposer):
         sampled token [B]) and the first drafts. Rows of capacity 0 (chunks that end no prompt) write nothing."""
         r = self.runner
         model = r.bound_model(params, routing)
-        m, cache = model(sampled, positions, last_h, cache, self._slot(tables, positions, capacity),
-                         tables, positions + 1, r.block_size, method="mtp_decode")
+        batch = ForwardBatch.decode(positions, self._slot(tables, positions, capacity), tables, positions + 1,
+                                    r.block_size)
+        m, cache = model(sampled, last_h, batch, cache, method="mtp_decode")
         drafts, cache = self._chain(model, cache, m, positions + 1, tables, capacity)
         return cache, drafts
 

@@ -106,26 +106,20 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, self.dtype, self.fp8.scheme("lm_head"))
 
-    def prefill(self, tokens, positions, seq_lens, cache=None, slots=None, block_tables=None, ctx_lens=None,
-                block_size: int | None = None, cu_seqlens=None):
-        """tokens [B, S] -> final hidden states [B, S, H] (before the last norm), cache.
-
-        With ``block_tables`` [B, nb] (and ``block_size``): a chunk of a longer prompt, the last
-        seq_lens[b] positions of a context of ctx_lens[b] tokens whose earlier rows are already
-        in the cache; attention reads the whole context from the cache (layers/prefill_attention.py).
-        With ``cu_seqlens`` [B + 1] (packed prefill): tokens, positions and slots [T] hold whole
-        prompts back to back, prompt b the tokens [cu_seqlens[b], cu_seqlens[b + 1]) (seq_lens
-        unused; padding tokens after cu_seqlens[B] write to an out-of-range slot and are not
-        routed to experts) -> hidden states [T, H]. Only attention reads the offsets."""
+    def prefill(self, tokens, batch: ForwardBatch, cache=None):
+        """tokens -> final hidden states (before the last norm), cache; ``batch`` a prefill form
+        (layers/forward_batch.py): dense [B, S] -> [B, S, H]; paged, a chunk of a longer prompt whose
+        earlier rows are in the cache (attention reads the whole context from it,
+        layers/prefill_attention.py); packed, whole prompts back to back [T] -> [T, H] (padding after
+        cu_seqlens[B] writes to an out-of-range slot and is not routed to experts)."""
         h = self.embed_tokens(tokens)
-        batch = ForwardBatch.prefill(positions, seq_lens, slots, block_tables, ctx_lens, block_size, cu_seqlens)
         for layer in self.layers:
             h, cache = layer.prefill(h, batch, cache)
         return h, cache
 
-    def decode(self, tokens, positions, cache, slots, block_tables, seq_lens, block_size: int):
+    def decode(self, tokens, batch: ForwardBatch, cache):
+        """One token a row: tokens [B] -> hidden states [B, H], cache; ``batch`` the decode form."""
         h = self.embed_tokens(tokens)
-        batch = ForwardBatch.decode(positions, slots, block_tables, seq_lens, block_size)
         B = h.shape[0]
         if self.ep.micro_batches(B, "decode") == 2:  # dual-batch overlap (ExpertParallel.micro_batches)
             # Micro-batches split rows, so each row takes its own table (rows a sequence: query_rows).
@@ -146,5 +140,5 @@ class CausalLM(nn.Module):
         """Used only to create parameters (init)."""
         B, S = tokens.shape
         pos = jnp.broadcast_to(jnp.arange(S), (B, S))
-        h, _ = self.prefill(tokens, pos, jnp.full((B,), S))
+        h, _ = self.prefill(tokens, ForwardBatch.prefill(pos, jnp.full((B,), S)))
         return self.logits(h)

@@ -308,26 +308,25 @@ class DeepseekForCausalLM(CausalLM):
             L = c.num_hidden_layers
             self.mtp = MTPLayer(c, L, self.dtype, self.ep, self.fp8, name=f"layers_{L}")
 
-    def mtp_hidden(self, tokens, positions, previous_hidden, seq_lens, cache=None, slots=None, block_tables=None,
-                   ctx_lens=None, block_size: int | None = None, cu_seqlens=None):
+    def mtp_hidden(self, tokens, previous_hidden, batch: ForwardBatch, cache=None):
         """The MTP layer's hidden states (before its shared_head norm; what a second draft step would take
         as ``previous_hidden``) and the cache. Row i pairs the main model's hidden state at position i
         (``previous_hidden``, before the final norm: what ``prefill``/``decode`` return) with the token
-        that follows it (``tokens``: t_{i+1}) at ``positions`` i, as vLLM and SGLang feed it. Shapes and
-        the prefill forms (dense [B, S], paged chunk, packed) as ``prefill``; with a cache, the MTP
+        that follows it (``tokens``: t_{i+1}) at ``batch.positions`` i, as vLLM and SGLang feed it. Shapes
+        and the prefill forms (dense [B, S], paged chunk, packed) as ``prefill``; with a cache, the MTP
         layer writes and reads cache layer num_hidden_layers (``cfg.num_cache_layers`` layers)."""
         require_mtp(self.cfg)
         x = self.mtp.project(self.embed_tokens(tokens), previous_hidden)
-        batch = ForwardBatch.prefill(positions, seq_lens, slots, block_tables, ctx_lens, block_size, cu_seqlens)
         return self.mtp.prefill(x, batch, cache)
 
-    def mtp_decode(self, tokens, positions, previous_hidden, cache, slots, block_tables, seq_lens, block_size: int):
-        """The MTP layer as a decode step over rows [R] (each row one token, already counted in seq_lens;
-        rows of one sequence may be consecutive positions, each attending up to itself): what speculative
-        decoding drafts with (moejax/engine/speculative.py). Returns (hidden states [R, H], cache)."""
+    def mtp_decode(self, tokens, previous_hidden, batch: ForwardBatch, cache):
+        """The MTP layer as a decode step over rows [R] (each row one token, already counted in
+        batch.seq_lens; rows of one sequence may be consecutive positions, each attending up to itself):
+        what speculative decoding drafts with (moejax/engine/speculative.py). Returns (hidden states
+        [R, H], cache)."""
         require_mtp(self.cfg)
         x = self.mtp.project(self.embed_tokens(tokens), previous_hidden)
-        return self.mtp.decode(x, ForwardBatch.decode(positions, slots, block_tables, seq_lens, block_size), cache)
+        return self.mtp.decode(x, batch, cache)
 
     def mtp_logits(self, h):
         """The MTP layer's logits (float32) of its hidden states: shared_head.head(shared_head.norm(h))."""
@@ -338,9 +337,10 @@ class DeepseekForCausalLM(CausalLM):
         """Used only to create parameters (init): the MTP layer's too."""
         B, S = tokens.shape
         pos = jnp.broadcast_to(jnp.arange(S), (B, S))
-        h, _ = self.prefill(tokens, pos, jnp.full((B,), S))
+        batch = ForwardBatch.prefill(pos, jnp.full((B,), S))
+        h, _ = self.prefill(tokens, batch)
         if self.cfg.num_nextn_predict_layers:
-            m, _ = self.mtp_hidden(tokens, pos, h, jnp.full((B,), S))
+            m, _ = self.mtp_hidden(tokens, h, batch)
             self.mtp_logits(m)
         return self.logits(h)
 
