@@ -45,6 +45,7 @@ from moejax.engine.sequence import Sequence
 from moejax.engine.proposer import Proposer
 from moejax.engine.sample_controls import ControlState
 from moejax.engine.speculative import SpecDecoder
+from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
 from moejax.layers.sampler import MAX_TOP_LOGPROBS, SampleMode, read_history, record, sample
 from moejax.parallel.processes import agree_min, to_host
@@ -227,10 +228,10 @@ class ModelRunner:
     def _vars(self, params, routing):
         return {"params": params, "routing": routing}
 
-    def _apply_counted(self, v, *args, method):
-        """module.apply that also returns the MoE statistics sown in the step:
-        tokens per logical expert [L_moe, E] and (token, expert) pairs computed here [L_moe]."""
-        out, state = self.module.apply(v, *args, method=method, mutable=["stats"])
+    def _apply_counted(self, v, tokens, batch: ForwardBatch, cache=None, *, method: str):
+        """The model's prefill or decode (``method``) over one batch, also returning the MoE statistics sown
+        in the step: tokens per logical expert [L_moe, E] and (token, expert) pairs computed here [L_moe]."""
+        out, state = self.module.apply(v, tokens, batch, cache, method=method, mutable=["stats"])
         layers = state.get("stats", {})
         names = sorted(layers, key=lambda n: int(n.split("_")[1]))
         if not names:
@@ -244,32 +245,31 @@ class ModelRunner:
     def _prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots):
         """Whole prompts packed in one stream: tokens, positions, slots [T]; cu_seqlens [B + 1]."""
         v = self._vars(params, routing)
-        (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, None, cache, slots, None, None,
-                                                             None, cu_seqlens, method="prefill")
+        batch = ForwardBatch.prefill(positions, slots=slots, cu_seqlens=cu_seqlens)
+        (h, cache), counts, dispatched = self._apply_counted(v, tokens, batch, cache, method="prefill")
         last = h[jnp.maximum(cu_seqlens[1:] - 1, 0)]  # each prompt's last token
         return cache, self.module.apply(v, last, method="logits"), counts, dispatched
 
     def _prefill_paged_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots, block_tables):
         B = tokens.shape[0]
         v = self._vars(params, routing)
-        (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, seq_lens, cache, slots,
-                                                             block_tables, ctx_lens, self.block_size,
-                                                             method="prefill")
+        batch = ForwardBatch.prefill(positions, seq_lens, slots, block_tables, ctx_lens, self.block_size)
+        (h, cache), counts, dispatched = self._apply_counted(v, tokens, batch, cache, method="prefill")
         last = h[jnp.arange(B), jnp.maximum(seq_lens - 1, 0)]
         return cache, self.module.apply(v, last, method="logits"), counts, dispatched
 
     def _decode_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens):
         v = self._vars(params, routing)
-        (h, cache), counts, dispatched = self._apply_counted(v, tokens, positions, cache, slots, block_tables,
-                                                             jnp.maximum(seq_lens, 1), self.block_size,
-                                                             method="decode")
+        batch = ForwardBatch.decode(positions, slots, block_tables, jnp.maximum(seq_lens, 1), self.block_size)
+        (h, cache), counts, dispatched = self._apply_counted(v, tokens, batch, cache, method="decode")
         return cache, self.module.apply(v, h, method="logits"), counts, dispatched
 
     def _score_rank(self, params, routing, tokens):
         B, S = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         v = self._vars(params, routing)
-        (h, _), _, _ = self._apply_counted(v, tokens, positions, jnp.full((B,), S, jnp.int32), method="prefill")
+        batch = ForwardBatch.prefill(positions, jnp.full((B,), S, jnp.int32))
+        (h, _), _, _ = self._apply_counted(v, tokens, batch, method="prefill")
         return (self.module.apply(v, h, method="logits"),)
 
     def compile_step(self, rank_fn, name: str, with_cache: bool = True):
