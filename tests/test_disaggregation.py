@@ -261,8 +261,8 @@ def test_speculative_decode_side(mtp_engines):
                 if dropped:
                     req.drafts = []
                 moved[s.seq_id] = add_prefilled(dec, req)
-                if dec.runner.spec is not None:  # the first step verifies the prefill side's drafts
-                    assert len(dec.runner.spec.drafts.get(moved[s.seq_id], ())) == (0 if dropped else 2)
+                if not dec.runner.proposer.own_decode:  # the first step verifies the prefill side's drafts
+                    assert len(dec.runner.proposer.drafts.get(moved[s.seq_id], ())) == (0 if dropped else 2)
         out = [moved[s.seq_id] for s in seqs]
         while any(not s.is_finished for s in out):
             dec.step()

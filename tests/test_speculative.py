@@ -124,7 +124,7 @@ def test_accept_path_with_injected_drafts(ckpt):
     def right(seq):
         return full[tuple(seq.token_ids[:seq.num_prompt_tokens])][len(seq):len(seq) + k]
 
-    drafter = spec.engine.runner.spec
+    drafter = spec.engine.runner.proposer
     try:
         drafter.draft_override = right
         acc0 = spec.engine.stats.spec_num_accepted_tokens
@@ -163,7 +163,7 @@ def test_sampled_distribution_at_drafted_positions(ckpt):
             greedy[a] = int(np.argmax(spec.score([seq.token_ids])[0, -1]))
         return [greedy[a]]
 
-    drafter = spec.engine.runner.spec
+    drafter = spec.engine.runner.proposer
     drafter.draft_override = best
     try:
         params = [SamplingParams(max_new_tokens=2, temperature=0.5, top_k=10, seed=s, ignore_eos=True) for s in range(300)]
@@ -252,7 +252,7 @@ def test_streamed_through_server_engine_thread_with_metrics(ckpt):
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=True) for n in (4, 9, 10)]
     want, _ = _run(base, prompts, params)
     full = {tuple(p): p + w[0] + [0] * 8 for p, w in zip(prompts, want)}
-    drafter = spec.engine.runner.spec
+    drafter = spec.engine.runner.proposer
     drafter.draft_override = lambda seq: full[tuple(seq.token_ids[:seq.num_prompt_tokens])][len(seq):len(seq) + 2]
     metrics = Metrics("t")
 

@@ -77,6 +77,7 @@ class LLMEngine:
                  balancer: ExpertLoadBalancer):
         self.config = config
         self.runner = runner
+        self.proposer = runner.proposer  # speculative decoding's seam beside the runner (engine/proposer.py)
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.balancer = balancer  # sees every step's expert counts; rebalances if the layout asks
@@ -90,8 +91,9 @@ class LLMEngine:
         self.stats = EngineStats(spec_accepted_per_pos=(0,) * config.num_speculative_tokens)
         # Seeds of requests that bring none: the same in every process of a multi-process job.
         self._rng = random.Random(shared_seed())
-        # Speculative decode steps run synchronously: the next step's positions depend on what this one accepts.
-        self.async_scheduling = config.scheduler.async_scheduling and runner.spec is None
+        # A proposer's own decode step (speculative: verify the drafts, draft again) runs synchronously: the
+        # next step's positions depend on what this one accepts.
+        self.async_scheduling = config.scheduler.async_scheduling and self.proposer.own_decode
         self._in_flight: DecodeStep | None = None  # the decode step dispatched and not yet read
         self._reading: DecodeStep | None = None  # the one being read (the next one dispatched already)
 
@@ -118,7 +120,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(prompt_ids, params, seed, request_id)
         seq.controls = sample_controls.prepare(params, self.tokenizer, vocab, self.eos_token_ids,
-                                               speculative=self.runner.spec is not None)
+                                               speculative=not self.proposer.own_decode)
         self.scheduler.add(seq)
         return seq
 
@@ -208,8 +210,8 @@ class LLMEngine:
 
     def _run_sync(self, kind: str, seqs: list[Sequence], t0: float) -> tuple[str, list[Sequence]]:
         """One step run and read at once (every step with async scheduling off; prefills with it on)."""
-        if kind == "decode" and self.runner.spec is not None:
-            return self._run_spec_decode(seqs, t0)
+        if kind == "decode" and not self.proposer.own_decode:
+            return self._run_proposer_decode(seqs, t0)
         new_tokens = sum(s.num_new_tokens for s in seqs)
         out = self.runner.prefill(seqs) if kind == "prefill" else self.runner.decode(seqs)
         dt = time.perf_counter() - t0
@@ -236,10 +238,11 @@ class LLMEngine:
             self._append(seq, *by_id[seq.seq_id])
         return kind, stepped
 
-    def _run_spec_decode(self, seqs: list[Sequence], t0: float) -> tuple[str, list[Sequence]]:
-        """A speculative step (engine/speculative.py): each sequence gets its accepted drafts and one more
-        token, appended one by one, so EOS, stop strings and length limits cut an accepted run where they fall."""
-        out = self.runner.spec.decode(seqs)
+    def _run_proposer_decode(self, seqs: list[Sequence], t0: float) -> tuple[str, list[Sequence]]:
+        """The proposer's decode step (engine/speculative.py's verify): each sequence gets its accepted drafts
+        and one more token, appended one by one, so EOS, stop strings and length limits cut an accepted run
+        where they fall."""
+        out = self.proposer.decode(seqs)
         self.balancer.record()
         st = self.stats
         st.decode_steps += 1

@@ -199,11 +199,6 @@ class ModelRunner:
         # registers its programs and prefill bodies (which also write the MTP layer's rows) through it.
         self.proposer: Proposer = SpecDecoder(self, config.num_speculative_tokens) if config.speculative else Proposer()
 
-    @property
-    def spec(self) -> SpecDecoder | None:
-        """The speculative decoder, None without speculation (what the engine steps differently)."""
-        return self.proposer if isinstance(self.proposer, SpecDecoder) else None
-
     # ----- the step API a proposer uses ---------------------------------------
     def bound_model(self, params, routing):
         """The model inside a step body, bound to its parameters and routing: ``model(*args, method=...)``;
