@@ -121,7 +121,9 @@ class BlockManager:
     # ----- allocation -----------------------------------------------------
     def _plan(self, seq: Sequence):
         """(rank, cached blocks, keys) for admitting seq, or None when no rank has room."""
-        keys = self._prefix_keys(seq) if self.enable_prefix_caching else []
+        # a sequence asking for prompt logprobs computes its whole prompt (engine/prompt_logprobs.py)
+        reads = self.enable_prefix_caching and seq.params.prompt_logprobs is None
+        keys = self._prefix_keys(seq) if reads else []
         need_total = self.blocks_needed(len(seq))
         best = None
         for r, pool in enumerate(self.pools):

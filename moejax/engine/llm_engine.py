@@ -34,7 +34,7 @@ from moejax.engine.model_runner import DecodeStep, ModelRunner
 from moejax.engine import sample_controls
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.scheduler import Scheduler
-from moejax.engine.sequence import Sequence
+from moejax.engine.sequence import Sequence, Status
 from moejax.eplb.balancer import ExpertLoadBalancer
 from moejax.parallel.processes import shared_seed
 
@@ -96,6 +96,8 @@ class LLMEngine:
         self.async_scheduling = config.scheduler.async_scheduling and self.proposer.own_decode
         self._in_flight: DecodeStep | None = None  # the decode step dispatched and not yet read
         self._reading: DecodeStep | None = None  # the one being read (the next one dispatched already)
+        # (first, sequence): samples of first's prompt (n > 1, best_of) held until first's prompt is cached
+        self._held: list[tuple[Sequence, Sequence]] = []
 
     @property
     def max_model_len(self) -> int:
@@ -105,7 +107,11 @@ class LLMEngine:
         """Compiles every program the engine can run for its configuration (ModelRunner.precompile)."""
         return self.runner.precompile(progress)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id=None) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id=None,
+                    after: Sequence | None = None) -> Sequence:
+        """``after``: an earlier sequence of the same prompt (the samples of n > 1 or best_of): this one waits
+        until that one's prompt is prefilled, then shares its cached blocks (the prefix cache) instead of
+        computing the prompt again."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("prompt must contain at least one token")
@@ -121,15 +127,35 @@ class LLMEngine:
         seq = Sequence(prompt_ids, params, seed, request_id)
         seq.controls = sample_controls.prepare(params, self.tokenizer, vocab, self.eos_token_ids,
                                                speculative=not self.proposer.own_decode)
-        self.scheduler.add(seq)
+        if after is not None and self.blocks.enable_prefix_caching and not self._prompt_cached(after):
+            self._held.append((after, seq))
+        else:
+            self.scheduler.add(seq)
         return seq
 
+    @staticmethod
+    def _prompt_cached(seq: Sequence) -> bool:
+        """Its prompt's blocks are in the prefix cache now (or it ended: nothing to wait for)."""
+        return seq.is_finished or seq.num_cached_tokens >= seq.num_prompt_tokens
+
+    def _release_held(self) -> None:
+        """Held samples whose first sequence's prompt is cached go to the scheduler (they hit its blocks)."""
+        if self._held:
+            ready = [(a, s) for a, s in self._held if self._prompt_cached(a)]
+            self._held = [(a, s) for a, s in self._held if not self._prompt_cached(a)]
+            for _, s in ready:
+                self.scheduler.add(s)
+
     def abort(self, seq: Sequence) -> None:
-        if not seq.is_finished:
+        held = [h for h in self._held if h[1] is seq]
+        if held:
+            self._held.remove(held[0])
+            seq.finish_reason, seq.status = "abort", Status.FINISHED
+        elif not seq.is_finished:
             self.scheduler.abort(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._held)
 
     def pop_failed(self) -> list[Sequence]:
         """The sequences finished with an error (finish_reason "error", ``seq.error`` says why) since
@@ -141,6 +167,7 @@ class LLMEngine:
         """Runs one prefill or decode step. Returns (kind, sequences that got a token): a prefill
         step whose chunks complete no prompt returns ("prefill", []). With async scheduling the
         decode step returned is the one read in this call (the next one is already running)."""
+        self._release_held()
         if not self.async_scheduling:
             kind, seqs = self.scheduler.schedule()
             if kind == "idle":
@@ -264,6 +291,7 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
         p = seq.params
         seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
         if p.logprobs:
             seq.logprobs.append(logprob)
         if p.top_logprobs:

@@ -40,6 +40,7 @@ from moejax.kernels import decode_tables
 from moejax.config import EngineConfig
 from moejax.executable_cache import ExecutableCache, PrecompiledFunction
 from moejax.engine import executable_set
+from moejax.engine import prompt_logprobs
 from moejax.engine.buckets import Buckets, next_pow2, powers_of_two, token_bucket
 from moejax.engine.sequence import Sequence
 from moejax.engine.proposer import Proposer
@@ -210,7 +211,8 @@ class ModelRunner:
 
     def set_prefill_bodies(self, packed, paged) -> None:
         """Per-rank bodies in place of the runner's packed and paged prefill (same inputs, then the proposer's
-        ``prefill_inputs``; same outputs, then its own, handed to ``after_prefill``)."""
+        ``prefill_inputs``, then the prompt-logprob inputs; same outputs, then its own, handed to
+        ``after_prefill``, then ``prompt_logprobs``' outputs)."""
         self._prefill = self.compile_step(packed, "prefill")
         self._prefill_paged = self.compile_step(paged, "prefill_paged")
 
@@ -237,21 +239,30 @@ class ModelRunner:
                 jnp.stack([sum(e["dispatched"]) for e in ex]))
 
     # ----- per-rank compiled bodies ----------------------------------------
-    def _prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots):
+    def _prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots, prompt_lp):
         """Whole prompts packed in one stream: tokens, positions, slots [T]; cu_seqlens [B + 1]."""
         v = self._vars(params, routing)
         batch = ForwardBatch.prefill(positions, slots=slots, cu_seqlens=cu_seqlens)
         (h, cache), counts, dispatched = self._apply_counted(v, tokens, batch, cache, method="prefill")
         last = h[jnp.maximum(cu_seqlens[1:] - 1, 0)]  # each prompt's last token
-        return cache, self.module.apply(v, last, method="logits"), counts, dispatched
+        return (cache, self.module.apply(v, last, method="logits"), counts, dispatched,
+                self.prompt_logprobs(self.bound_model(params, routing), h, prompt_lp))
 
-    def _prefill_paged_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots, block_tables):
+    def _prefill_paged_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots, block_tables,
+                            prompt_lp):
         B = tokens.shape[0]
         v = self._vars(params, routing)
         batch = ForwardBatch.prefill(positions, seq_lens, slots, block_tables, ctx_lens, self.block_size)
         (h, cache), counts, dispatched = self._apply_counted(v, tokens, batch, cache, method="prefill")
         last = h[jnp.arange(B), jnp.maximum(seq_lens - 1, 0)]
-        return cache, self.module.apply(v, last, method="logits"), counts, dispatched
+        return (cache, self.module.apply(v, last, method="logits"), counts, dispatched,
+                self.prompt_logprobs(self.bound_model(params, routing), h, prompt_lp))
+
+    @staticmethod
+    def prompt_logprobs(model, h, inputs):
+        """A prefill body's last output: the prompt rows' logprobs its ``inputs`` ask for (engine/prompt_logprobs.py;
+        no work when none asks). ``model``: bound_model's; ``h``: the stream's hidden states."""
+        return prompt_logprobs.compute(lambda x: model(x, method="logits"), h, inputs)
 
     def _decode_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens):
         v = self._vars(params, routing)
@@ -351,10 +362,12 @@ class ModelRunner:
                                      i32(B), i32(B), i32(B, W), i32(B), sample_rows=B)
                    for B, W in self.buckets.decode_shapes()] if own_decode else self.proposer.decode_programs())
         extra = self.proposer.prefill_input_shapes
+        lp = functools.partial(prompt_logprobs.abstract_inputs, self)  # none asked
         prefill = [self.step_program(f"prefill T={T} B={B}", self._prefill, i32(T), i32(T), i32(B + 1), i32(T),
-                                     *extra(T), sample_rows=B) for T, B in self.buckets.packed_shapes()]
+                                     *extra(T), lp(T), sample_rows=B) for T, B in self.buckets.packed_shapes()]
         paged = [self.step_program(f"prefill_paged B={B} S={S}", self._prefill_paged, i32(B, S), i32(B, S), i32(B),
-                                   i32(B), i32(B, S), i32(B, self.buckets.max_width), *extra(B, S), sample_rows=B)
+                                   i32(B), i32(B, S), i32(B, self.buckets.max_width), *extra(B, S),
+                                   lp(B * S), sample_rows=B)
                  for B, S in self.buckets.paged_shapes()]
         steps = decode + prefill + paged
         # The sampler takes each step's logits: one program per (rows, mode), rows shared between steps.
@@ -525,14 +538,27 @@ class ModelRunner:
             T, B = self.buckets.packed(max(sum(s.num_new_tokens for s in rs) for rs in ranks))
             args = self._packed_arrays(ranks, B, T)
             positions = np.diff(args[2], axis=1)  # each prompt's length
-        logits, counts, dispatched, *more = self.run_step(self._prefill_paged if paged else self._prefill, *args,
-                                                          *self.proposer.prefill_inputs(ranks, args, paged))
+        lp_plan = self._prompt_logprob_plan(ranks, args, paged)
+        logits, counts, dispatched, *more, prompt_lp = self.run_step(
+            self._prefill_paged if paged else self._prefill, *args, *self.proposer.prefill_inputs(ranks, args, paged),
+            lp_plan.inputs)
         self.record_stats(counts, dispatched)
         sampled = self.sample_logits(logits, ranks, B, positions)
         where = {s.seq_id: (r, i) for r, rs in enumerate(ranks) for i, s in enumerate(rs)}
         out = self._gather(where, sampled, seqs)
+        prompt_logprobs.collect(lp_plan, prompt_lp)
         self.proposer.after_prefill(ranks, B, more, sampled[0])
         return out
+
+    @staticmethod
+    def _prompt_logprob_plan(ranks, args, paged: bool) -> prompt_logprobs.Plan:
+        """The prompt-logprob inputs of a prefill over ``args`` (packed: rows at cu_seqlens; paged: [B, S] flat)."""
+        if paged:
+            B, S = args[0].shape[1:]
+            return prompt_logprobs.plan(ranks, [[i * S for i in range(len(rs))] for rs in ranks], B * S)
+        cu = args[2]
+        return prompt_logprobs.plan(ranks, [cu[r, :len(rs)].tolist() for r, rs in enumerate(ranks)],
+                                    args[0].shape[1])
 
     def _packed_arrays(self, ranks: list[list[Sequence]], B: int, T: int):
         """Each rank's whole prompts back to back: tokens, positions, slots [N, T] and cu_seqlens

@@ -79,7 +79,7 @@ class SpecDecoder(Proposer):
 
     # ----- per-rank compiled bodies ------------------------------------------
     def packed_prefill_rank(self, params, routing, cache, tokens, positions, cu_seqlens, slots, next_tokens,
-                            mtp_slots):
+                            mtp_slots, prompt_lp):
         """The runner's packed prefill, then the MTP layer's rows of the stream (next_tokens: each row's
         following token; mtp_slots drop a prompt's last row, whose following token is not sampled yet)."""
         r = self.runner
@@ -88,17 +88,17 @@ class SpecDecoder(Proposer):
         (h, cache), counts, dispatched = model(tokens, batch, cache, method="prefill", counted=True)
         _, cache = model(next_tokens, h, batch.replace(slots=mtp_slots), cache, method="mtp_hidden")
         last = h[jnp.maximum(cu_seqlens[1:] - 1, 0)]
-        return cache, model(last, method="logits"), counts, dispatched, last
+        return cache, model(last, method="logits"), counts, dispatched, last, r.prompt_logprobs(model, h, prompt_lp)
 
     def paged_prefill_rank(self, params, routing, cache, tokens, positions, seq_lens, ctx_lens, slots,
-                           block_tables, next_tokens, mtp_slots):
+                           block_tables, next_tokens, mtp_slots, prompt_lp):
         r = self.runner
         model = r.bound_model(params, routing)
         batch = ForwardBatch.prefill(positions, seq_lens, slots, block_tables, ctx_lens, r.block_size)
         (h, cache), counts, dispatched = model(tokens, batch, cache, method="prefill", counted=True)
         _, cache = model(next_tokens, h, batch.replace(slots=mtp_slots), cache, method="mtp_hidden")
         last = h[jnp.arange(tokens.shape[0]), jnp.maximum(seq_lens - 1, 0)]
-        return cache, model(last, method="logits"), counts, dispatched, last
+        return cache, model(last, method="logits"), counts, dispatched, last, r.prompt_logprobs(model, h, prompt_lp)
 
     def _verify_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens):
         """The decode body over B x (k+1) rows, also returning the hidden states the MTP layer takes."""
