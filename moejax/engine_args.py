@@ -17,8 +17,8 @@ The flags are vLLM's spellings where moejax has the equivalent (``--max-num-seqs
 ``--max-model-len``, ``--kv-cache-dtype``, ``--gpu-memory-utilization``, ``--load-format``, ...).
 
 ``layer`` names who reads a setting: "model" (EngineConfig: dtype, FP8 policy, layout), "cache"
-(CacheConfig), "scheduler" (SchedulerConfig), "kernels" (moejax/kernel_selection.py, through the
-step's trace) or "load" (moejax.load itself). The declaration checks each value on its own;
+(CacheConfig), "scheduler" (SchedulerConfig), "kernels" (the rules of moejax/kernels/<operation>.py,
+through the step's trace) or "load" (moejax.load itself). The declaration checks each value on its own;
 ``EngineConfig.create`` then checks what depends on the model (max_model_len's range, an FP8 cache
 for the family, the layout's expert count, the MTP layer).
 """
@@ -136,6 +136,11 @@ def setting(default, help: str, *, layer: str, choices: tuple | None = None, che
     return dataclasses.field(default=default, metadata=meta, hash=not (default is None and parse is _json))
 
 
+def kernel_choice(help: str, choices: tuple, rule: str):
+    """A kernels setting whose "auto" (the default) leaves the choice to ``rule``, in moejax/kernels/."""
+    return setting("auto", f"{help} (moejax/kernels/{rule})", layer="kernels", choices=choices)
+
+
 # ----------------------------------------------------------------------------- the declaration
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +161,9 @@ class EngineArgs:
         "MLPs, attention projections), or a comma list of experts, shared_experts, dense_mlp, attention, "
         "lm_head (moejax/layers/fp8_policy.py)", layer="model", check=fp8_layer_list)
     fp8_variant: str = setting(
-        "auto", "auto: per GEMM from its rows (kernel_selection.fp8_variant; W8A8 for expert GEMMs from "
-        "MOE_FP8_THRESHOLDS rows an expert on CUDA), w8a16 (weights converted in the kernel) or w8a8 "
+        "auto", "auto: per GEMM from its rows on CUDA (W8A8 for expert GEMMs from MOE_FP8_THRESHOLDS rows an "
+        "expert, moejax/kernels/moe_fp8.py: pick_variant; for dense GEMMs from DENSE_W8A8_ROWS rows, "
+        "moejax/kernels/fp8_gemm.py: pick_variant), w8a16 (weights converted in the kernel) or w8a8 "
         "(activations quantised too, FP8 dots)", layer="model", choices=VARIANTS)
     parallel: Any = setting(
         None, "the parallel layout: dp{N}-ep{N} (DP attention + EP experts over N devices, e.g. dp8-ep8), a "
@@ -202,25 +208,25 @@ class EngineArgs:
         "prompt waits and fits: throughput), interleave:N (at most N prefill steps in a row, then a decode "
         "step), token-budget:T (at most T prompt tokens between two decode steps); docs/serving.md",
         layer="scheduler", check=policy_spec)
-    # --- kernels (moejax/kernel_selection.py reads them while the step is traced)
+    # --- kernels (the rules of moejax/kernels/<operation>.py read them while the step is traced)
     kernels: str = setting("auto", "auto: the Pallas/Triton kernels on GPU where the shapes suit them, XLA on "
                            "CPU; pallas: the kernels everywhere (CPU: the interpreter); xla: XLA only",
                            layer="kernels", choices=KERNEL_MODES)
-    fuse_shared_experts: str = setting(
-        "auto", "auto: the shared experts inside the routed-expert kernel where the Pallas fused MoE runs; on; "
-        "off (kernel_selection.shared_expert_fusion)", layer="kernels", choices=SHARED_FUSION)
-    moe_kernel: str = setting(
-        "auto", "the bf16 routed experts' kernel on a GPU: pallas (fused_moe, the default) or triton "
-        "(fused_moe_triton through jax-triton; kernel_selection.moe_kernel)", layer="kernels", choices=MOE_KERNELS)
-    w8a8_kernel: str = setting(
-        "auto", "the W8A8 expert GEMMs' kernels: triton where jax-triton is installed (the default), or pallas "
-        "(fused_moe_fp8; kernel_selection.w8a8_kernel)", layer="kernels", choices=W8A8_KERNELS)
-    w8a8_dense_kernel: str = setting(
-        "auto", "the W8A8 dense projections' kernel from DENSE_W8A8_ROWS rows: pallas, triton, or cublaslt "
-        "(any row count; kernel_selection.dense_w8a8_kernel)", layer="kernels", choices=W8A8_DENSE_KERNELS)
-    mla_kernel: str = setting(
-        "auto", "MLA decode's kernel on a GPU: triton (64+ heads over an FP8 cache on CUDA, the default there) or "
-        "pallas (kernel_selection.mla_kernel)", layer="kernels", choices=MLA_KERNELS)
+    fuse_shared_experts: str = kernel_choice(
+        "auto: the shared experts inside the routed-expert kernel where the Pallas fused MoE runs; on; off",
+        SHARED_FUSION, "moe.py: fuse_shared_experts")
+    moe_kernel: str = kernel_choice(
+        "the bf16 routed experts' kernel on a GPU: pallas (fused_moe, the default) or triton (fused_moe_triton "
+        "through jax-triton)", MOE_KERNELS, "moe.py: moe_kernel")
+    w8a8_kernel: str = kernel_choice(
+        "the W8A8 expert GEMMs' kernels: triton where jax-triton is installed (the default), or pallas "
+        "(fused_moe_fp8)", W8A8_KERNELS, "moe_fp8.py: w8a8_kernel")
+    w8a8_dense_kernel: str = kernel_choice(
+        "the W8A8 dense projections' kernel from DENSE_W8A8_ROWS rows: pallas, triton, or cublaslt (any row "
+        "count)", W8A8_DENSE_KERNELS, "fp8_gemm.py: dense_w8a8_kernel")
+    mla_kernel: str = kernel_choice(
+        "MLA decode's kernel on a GPU: triton (64+ heads over an FP8 cache on CUDA, the default there) or pallas",
+        MLA_KERNELS, "mla_decode.py: mla_kernel")
     fp8_fast_accum: bool = setting(
         triton_fp8_dots.DEFAULT, "FP8 x FP8 dots of the Pallas kernels on Hopper's wgmma (Triton's own FP8 default; "
         "pallas_kernels/triton_fp8_dots.py); --no-fp8-fast-accum keeps Triton-lowering's precise "
