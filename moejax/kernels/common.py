@@ -59,28 +59,28 @@ def check_mode(mode: str) -> str:
 
 
 @contextlib.contextmanager
-def kernel_mode(mode: str):
-    """Kernels used by everything traced inside the block."""
-    token = _MODE.set(check_mode(mode))
+def _scoped(var: contextvars.ContextVar, value):
+    """``var`` set to ``value`` for everything traced inside the block (the trace-time settings below)."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _MODE.reset(token)
+        var.reset(token)
+
+
+def kernel_mode(mode: str):
+    """Kernels used by everything traced inside the block."""
+    return _scoped(_MODE, check_mode(mode))
 
 
 def current_mode() -> str:
     return _MODE.get()
 
 
-@contextlib.contextmanager
 def kernel_settings(settings):
     """The engine's kernel settings (moe_kernel, w8a8_kernel, ...; moejax/engine_args.py) for everything
     traced inside the block; None: none (each override then reads its environment variable)."""
-    token = _SETTINGS.set(settings)
-    try:
-        yield
-    finally:
-        _SETTINGS.reset(token)
+    return _scoped(_SETTINGS, settings)
 
 
 def override(name: str, env: str, choices: tuple[str, ...]) -> str:
@@ -95,17 +95,12 @@ def override(name: str, env: str, choices: tuple[str, ...]) -> str:
     return want
 
 
-@contextlib.contextmanager
 def shared_expert_fusion(setting: str):
     """Shared experts inside the routed-expert kernel ("on"), beside it as their own MLP ("off"), or
     "auto" (moe.fuse_shared_experts' rule). Read at trace time, like ``kernel_mode``."""
     if setting not in SHARED_FUSION:
         raise ValueError(f"shared_expert_fusion must be one of {SHARED_FUSION}, got {setting!r}")
-    token = _FUSE_SHARED.set(setting)
-    try:
-        yield
-    finally:
-        _FUSE_SHARED.reset(token)
+    return _scoped(_FUSE_SHARED, setting)
 
 
 def shared_fusion_setting() -> str:
