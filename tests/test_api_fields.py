@@ -48,10 +48,9 @@ VLLM_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 # a value other than the neutral one, per NEUTRAL_ONLY field
 NOT_NEUTRAL = {
     "n": 2, "best_of": 2, "echo": True, "suffix": "x", "prompt_embeds": "AAAA",
-    "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {"5": 3.0},
-    "min_tokens": 2, "min_p": 0.1, "use_beam_search": True, "length_penalty": 0.5,
+    "use_beam_search": True, "length_penalty": 0.5,
     "spaces_between_special_tokens": False,
-    "allowed_token_ids": [65], "prompt_logprobs": 1, "bad_words": ["a"],
+    "prompt_logprobs": 1,
     "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"regex": "a"},
@@ -190,7 +189,7 @@ def client(tiny_path):
 
 def test_server_refuses_with_openai_error(client):
     """Through the openai client: a refused field and an unknown one are 400s naming them."""
-    for extra, param in (({"min_p": 0.1}, "min_p"), ({"guided_regex": "a"}, "guided_regex"),
+    for extra, param in (({"min_p": 1.5}, "min_p"), ({"guided_regex": "a"}, "guided_regex"),
                          ({"frobnicate": 1}, "frobnicate")):
         with pytest.raises(openai.BadRequestError) as ei:
             client.completions.create(model=NAME, prompt="hi", max_tokens=2, extra_body=extra)
@@ -320,21 +319,24 @@ def test_chat_template_override(tiny_path, tmp_path):
 
 
 def test_generation_config_defaults(ctx, tmp_path):
-    """--generation-config auto: generation_config.json's temperature / top_p / top_k / max_new_tokens are the
-    defaults of requests that omit them; a request's own value wins; a default the server cannot apply
-    (repetition_penalty 1.1) stops the start-up with its name; vllm: none."""
+    """--generation-config auto: generation_config.json's temperature / top_p / top_k / max_new_tokens /
+    repetition_penalty / min_p are the defaults of requests that omit them (vLLM's keys); a request's own
+    value wins; a bad default (repetition_penalty 0) stops the start-up with its name; vllm: none."""
     from moejax.server.protocol import generation_defaults
     (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7, "bos_token_id": 0}))
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7, "bos_token_id": 0,
+         "repetition_penalty": 1.1, "min_p": 0.05}))
     defaults = generation_defaults(str(tmp_path))
-    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7}
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7,
+                        "repetition_penalty": 1.1, "min_p": 0.05}
     assert generation_defaults("vllm") == {} and generation_defaults(str(tmp_path / "none")) == {}
     c = ServingContext((NAME,), ctx.tokenizer, MAX_LEN, 260, defaults)
     p = _parse(c, False).params
-    assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (0.6, 0.95, 20, 7)
-    p = _parse(c, True, temperature=0, top_p=1, top_k=-1, max_tokens=3).params
-    assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (0, 1, 0, 3)
-    for bad, name in (({"repetition_penalty": 1.1}, "repetition_penalty"), ({"top_p": 0}, "top_p")):
+    assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.repetition_penalty, p.min_p) == (0.6, 0.95, 20, 7,
+                                                                                                 1.1, 0.05)
+    p = _parse(c, True, temperature=0, top_p=1, top_k=-1, max_tokens=3, repetition_penalty=1, min_p=0).params
+    assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.repetition_penalty, p.min_p) == (0, 1, 0, 3, 1, 0)
+    for bad, name in (({"repetition_penalty": 0}, "repetition_penalty"), ({"top_p": 0}, "top_p")):
         (tmp_path / "generation_config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=name):
             generation_defaults(str(tmp_path))
@@ -370,3 +372,61 @@ def test_include_stop_str_and_skip_special_tokens(client, ctx):
         d = IncrementalText(ctx.tokenizer, [], skip_special_tokens=skip)
         assert "".join(d.add(t) for t in ids) == ctx.tokenizer.decode(ids, skip_special_tokens=skip)
     assert "<｜User｜>hi<｜Assistant｜>" == ctx.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_sampling_controls_parsed(ctx):
+    """The sampling controls reach SamplingParams (logit_bias' string keys as token ids); a bad value is a 400
+    naming the field: out of range, a key that is no token id, token ids outside the vocabulary, more
+    logit_bias entries than the sampler takes, min_tokens above max_tokens, a bad word too long."""
+    from moejax.layers.sampler import MAX_BAD_WORD_TOKENS, MAX_LOGIT_BIAS
+    for chat in (False, True):
+        p = _parse(ctx, chat, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                   logit_bias={"5": 3.0}, min_tokens=2, max_tokens=4, min_p=0.1, allowed_token_ids=[65, 66],
+                   bad_words=["ab"]).params
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias, p.min_tokens,
+                p.min_p, p.allowed_token_ids, p.bad_words) == (0.5, -0.5, 1.2, {5: 3.0}, 2, 0.1, [65, 66], ["ab"])
+    for body, param in (({"presence_penalty": 2.5}, "presence_penalty"),
+                        ({"frequency_penalty": -3}, "frequency_penalty"),
+                        ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+                        ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+                        ({"logit_bias": {"999": 1}}, "logit_bias"),
+                        ({"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
+                        ({"allowed_token_ids": [999]}, "allowed_token_ids"),
+                        ({"allowed_token_ids": []}, "allowed_token_ids"),
+                        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+                        ({"bad_words": ["x" * 4 * MAX_BAD_WORD_TOKENS]}, "bad_words"),
+                        ({"bad_words": "a"}, "bad_words")):
+        err = _refused(ctx, False, **body)
+        assert err.param == param, (body, err.param, err.message)
+
+
+def test_sampling_controls_through_the_client(client, ctx):
+    """Through the openai client: allowed_token_ids=[k] returns only k (issue 43's [65] case), a logit bias of
+    100 on a token makes it the greedy choice, bad_words keep a word of the free output out, min_tokens
+    holds back a stop token; a bad value is a 400 naming the field."""
+    kw = dict(model=NAME, prompt="hello there", max_tokens=6, temperature=0)
+    ids = lambda r: r.choices[0].model_extra["token_ids"]  # noqa: E731
+    body = {"ignore_eos": True, "return_token_ids": True}
+    free = ids(client.completions.create(**kw, extra_body=body))
+    assert ids(client.completions.create(**kw, extra_body={**body, "allowed_token_ids": [65]})) == [65] * 6
+    assert ids(client.completions.create(**kw, logit_bias={"77": 100}, extra_body=body)) == [77] * 6
+    out = ids(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                             temperature=0, extra_body={**body, "allowed_token_ids": [70]}))
+    assert out == [70] * 6
+    from moejax.engine.sample_controls import bad_words_token_ids
+    def occurs(w, out):
+        return any(out[i:i + len(w)] == w for i in range(len(out)))
+    word = ctx.tokenizer.decode(free[:2])
+    words = bad_words_token_ids([word], ctx.tokenizer)
+    banned = ids(client.completions.create(**kw, extra_body={**body, "bad_words": [word]}))
+    assert not any(occurs(w, banned) for w in words), (words, banned)
+    assert banned != free or not any(occurs(w, free) for w in words)
+    stop = free[2]
+    got = ids(client.completions.create(**kw, extra_body={"return_token_ids": True, "stop_token_ids": [stop],
+                                                          "min_tokens": 4}))
+    assert stop not in got[:4] and len(got) >= 4
+    for extra, param in (({"allowed_token_ids": [10 ** 6]}, "allowed_token_ids"), ({"min_tokens": 7}, "min_tokens"),
+                         ({"repetition_penalty": -1}, "repetition_penalty")):
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.completions.create(**kw, extra_body=extra)
+        assert ei.value.body["param"] == param and ei.value.body["type"] == "invalid_request_error"

@@ -11,6 +11,7 @@ import uuid
 
 from pydantic import ValidationError
 
+from moejax.engine import sample_controls
 from moejax.engine.sampling_params import SamplingParams
 from moejax.json_file import load_json_file
 from moejax.server import schemas
@@ -50,10 +51,8 @@ class ServingContext:
         return self.max_model_len * max(getattr(self.tokenizer, "max_token_chars", 64), 1)
 
 
-# generation_config.json keys the server applies (vLLM's --generation-config auto), and those it refuses
-# to start with unless neutral: a default it could not apply would change every request silently
-_GENERATION_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
-_GENERATION_NEUTRAL = {"repetition_penalty": 1, "min_p": 0, "presence_penalty": 0, "frequency_penalty": 0}
+# generation_config.json keys the server applies (vLLM's --generation-config auto reads these)
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "repetition_penalty", "min_p")
 
 
 def generation_defaults(source: str | None) -> dict:
@@ -65,10 +64,6 @@ def generation_defaults(source: str | None) -> dict:
     if not os.path.isfile(path):
         return {}
     cfg = load_json_file(path, "generation_config.json")
-    for key, neutral in _GENERATION_NEUTRAL.items():
-        if cfg.get(key, neutral) != neutral:
-            raise ValueError(f"{path} sets {key}={cfg[key]!r}, which this server cannot apply yet; serve with "
-                             "--generation-config vllm to use only the requests' values")
     out = {k: cfg[k] for k in _GENERATION_KEYS if cfg.get(k) is not None}
     SamplingParams(**out)  # a ValueError naming the key at start-up, not at every request
     return out
@@ -247,12 +242,14 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         top_logprobs=top_n,
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
         skip_special_tokens=body.skip_special_tokens is not False,
+        **_controls(body, ctx),
     )
     try:
         params = SamplingParams(**kw)
+        sample_controls.prepare(params, ctx.tokenizer, ctx.vocab_size, ())  # token ids, bad words' tokens
     except ValueError as e:
         msg = str(e).replace("max_new_tokens", "max_tokens")
-        field = msg.split(" ", 1)[0]
+        field = msg.split(" ", 1)[0].rstrip(":")
         raise APIError(msg, param=field if field in body.model_fields_set else None) from None
     so = body.stream_options
     return ParsedRequest(chat, prompts, params, body.stream, so.include_usage if so else False, logprobs,
@@ -289,6 +286,28 @@ def _output_parsing(body, ctx: ServingContext) -> OutputParsing | None:
     return OutputParsing(ctx.reasoning_parser, ctx.tool_parser if choice == "auto" else None,
                          tuple(t.model_dump(exclude_none=True) for t in tools or ()),
                          body.include_reasoning is not False, body.parallel_tool_calls is not False)
+
+
+def _controls(body, ctx: ServingContext) -> dict:
+    """The sampling controls' SamplingParams fields (engine/sample_controls.py): logit_bias' keys, token ids
+    as strings (OpenAI's), made integers; repetition_penalty and min_p default to generation_config.json's."""
+    bias = None
+    if body.logit_bias is not None:
+        bias = {}
+        for k, v in body.logit_bias.items():
+            if not k.isdigit():
+                raise APIError(f"'logit_bias' keys must be token ids (non-negative integers as strings), "
+                               f"got {k!r}"[:200], param="logit_bias")
+            bias[int(k)] = v
+    d = ctx.defaults
+    return dict(
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=d.get("repetition_penalty", 1.0) if body.repetition_penalty is None
+        else body.repetition_penalty,
+        min_p=d.get("min_p", 0.0) if body.min_p is None else body.min_p,
+        logit_bias=bias, min_tokens=body.min_tokens or 0, allowed_token_ids=body.allowed_token_ids,
+        bad_words=body.bad_words or [],
+    )
 
 
 # ----- the tokenizer endpoints (vLLM's /tokenize, /detokenize, /tokenizer_info) --------------

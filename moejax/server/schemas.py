@@ -53,26 +53,27 @@ class _Sampling(_Body):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     user: str | None = None
-    # accepted only at their neutral values (protocol.py says which)
-    best_of: Count | None = None
+    # the sampling controls (SamplingParams' fields; protocol.py: token ids against the vocabulary)
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (a string) -> bias
     min_tokens: Count | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    # accepted only at their neutral values (protocol.py says which)
+    best_of: Count | None = None
     # vLLM's sampling and extra params; typed Any where only the neutral value is taken, so the
     # refusal names the field whatever the value's type
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     add_special_tokens: bool | None = None
-    min_p: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: Any = None
-    allowed_token_ids: Any = None
     prompt_logprobs: Any = None
-    bad_words: Any = None
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -195,15 +196,18 @@ HONOURED = {
     "tools": "chat template; parsed from the answer with --tool-call-parser (chat_output.py)",
     "tool_choice": "none: not parsed; auto: --enable-auto-tool-choice's parser", "parallel_tool_calls": "false: the first call only",
     "include_reasoning": "false: reasoning_content left out (--reasoning-parser)",
+    "presence_penalty": "sampler (controls)", "frequency_penalty": "sampler (controls)",
+    "repetition_penalty": "sampler (controls)", "logit_bias": "sampler (controls)",
+    "min_tokens": "sampler's mask of EOS and stop_token_ids", "min_p": "sampler (controls)",
+    "allowed_token_ids": "sampler's mask", "bad_words": "sampler (tokenised as vLLM does)",
 }
 
 # Refused (400 naming the field) unless given this value, which is what the server does anyway.
 NEUTRAL_ONLY = {
     "n": 1, "best_of": 1, "echo": False, "suffix": None, "prompt_embeds": None,
-    "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
-    "min_tokens": 0, "min_p": 0, "use_beam_search": False, "length_penalty": 1,
+    "use_beam_search": False, "length_penalty": 1,
     "spaces_between_special_tokens": True,
-    "allowed_token_ids": None, "prompt_logprobs": None, "bad_words": [],
+    "prompt_logprobs": None,
     "response_format": {"type": "text"}, "guided_json": None, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
     "structural_tag": None, "structured_outputs": None, "priority": 0,
