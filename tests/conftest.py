@@ -40,6 +40,7 @@ import secrets  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from moejax.tiny.checkpoint import make_random_checkpoint  # noqa: E402
 from moejax.tiny.presets import preset  # noqa: E402
 
 # Fresh random inputs every run, but replayable: every unseeded np.random.default_rng() draws
@@ -123,6 +124,21 @@ def pytest_runtest_makereport(item, call):
     if rep.failed and seed is not None:
         rep.sections.append(("moejax seed", f"unseeded random inputs drew from seed {seed}; replay with\n"
                                             f"  {SEED_ENV}={seed} python -m pytest '{item.nodeid}'"))
+
+
+# The small float32 engine that the executable-cache and precompile-list tests load: 16 tokens, two
+# sequences, 8-token blocks and prefill steps, XLA's compilation cache off (what they count is moejax's).
+SMALL_ENGINE = dict(dtype="float32", max_model_len=16, max_num_seqs=2, block_size=8, max_prefill_tokens=8,
+                    progress=False, compilation_cache_dir="off")
+
+
+def random_v3_tiny(tmp_path_factory, name: str, **overrides) -> str:
+    """A random v3-tiny checkpoint (preset ``overrides``, std 0.1) in a fresh folder from a fresh seed,
+    printed for a replay."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"checkpoint seed {seed}")
+    return make_random_checkpoint(str(tmp_path_factory.mktemp(name)), preset("v3-tiny", **overrides), seed=seed,
+                                  std=0.1)
 
 
 def rel_err(a, b):

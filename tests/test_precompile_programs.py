@@ -1,24 +1,16 @@
 """The precompiled set is one list (ModelRunner.precompile_programs): precompile builds exactly its
 programs, one each, and its total is the list's length, with and without a speculative proposer."""
 
-import numpy as np
 import pytest
 
 import moejax
 from moejax import compilation
-from moejax.tiny.checkpoint import make_random_checkpoint
-from moejax.tiny.presets import preset
-
-KW = dict(dtype="float32", max_model_len=16, max_num_seqs=2, block_size=8, max_prefill_tokens=8, progress=False,
-          compilation_cache_dir="off")
+from conftest import SMALL_ENGINE as KW, random_v3_tiny
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    seed = int(np.random.default_rng().integers(1 << 30))
-    print(f"checkpoint seed {seed}")
-    return make_random_checkpoint(str(tmp_path_factory.mktemp("pp")), preset("v3-tiny", num_nextn_predict_layers=1),
-                                  seed=seed, std=0.1)
+    return random_v3_tiny(tmp_path_factory, "pp", num_nextn_predict_layers=1)
 
 
 @pytest.mark.parametrize("k", [0, 2])
