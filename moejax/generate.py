@@ -36,7 +36,10 @@ def _prompt_ids(model, prompt, i: int) -> list[int]:
 def generate(model, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, stop=None, logprobs: bool = False,
              top_logprobs: int = 0, ignore_eos: bool = False, progress: bool = False, n: int = 1,
-             best_of: int | None = None, prompt_logprobs: int | None = None) -> list[GenerationResult]:
+             best_of: int | None = None, prompt_logprobs: int | None = None, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logit_bias: dict | None = None,
+             min_tokens: int = 0, min_p: float = 0.0, allowed_token_ids: list[int] | None = None,
+             bad_words: list[str] | None = None) -> list[GenerationResult]:
     """Generates for each prompt (a string or a list of token ids); returns one result per prompt, or n
     (prompt-major: results[i * n + j]).
 
@@ -46,7 +49,8 @@ def generate(model, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
     Both are of the model's raw distribution (log-softmax of the logits). ``prompt_logprobs`` (0-20): each
     prompt token's logprob (and its N alternatives), from the prefill. ``n`` samples of each prompt (the
     prompt prefilled once), the best n of ``best_of`` by cumulative logprob; with a seed, sample j of prompt
-    i samples with seed + i * best_of + j (engine/parallel_sampling.py).
+    i samples with seed + i * best_of + j (engine/parallel_sampling.py). The sampling controls
+    (presence_penalty ... bad_words) are SamplingParams' (vLLM's definitions; layers/sampler.py).
 
     A model whose mesh spans several processes (docs/multiprocess.md): every process makes this call
     with the same arguments and gets the same results.
@@ -58,7 +62,10 @@ def generate(model, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
     runs = parallel_sampling.check(n, best_of)
     params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              seed=None if seed is None else seed + i * runs, stop=stop or [], logprobs=logprobs,
-                             top_logprobs=top_logprobs, ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs)
+                             top_logprobs=top_logprobs, ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs,
+                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                             repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_tokens=min_tokens,
+                             min_p=min_p, allowed_token_ids=allowed_token_ids, bad_words=bad_words or [])
               for i in range(len(prompts))]
     ids = [_prompt_ids(model, p, i) for i, p in enumerate(prompts)]
     # Across processes every process runs this same call (its steps are collectives): check it is the same.

@@ -275,3 +275,13 @@ def test_end_to_end_greedy(model):
     for i, (p, f, r) in enumerate(pens):
         assert got[i] == _reference_greedy(model, prompts[i], n, p, f, r), i
     assert any(g != fr for g, fr in zip(got, free))  # the penalties do change greedy output
+
+
+def test_generate_takes_the_controls(model):
+    """moejax.generate: the same fields; a bad value is a ValueError naming the field."""
+    out = moejax.generate(model, [[5, 6, 7]], max_new_tokens=4, ignore_eos=True, allowed_token_ids=[9])
+    assert out[0].token_ids == [9] * 4
+    for kw, field in ((dict(min_p=2.0), "min_p"), (dict(allowed_token_ids=[10 ** 6]), "allowed_token_ids"),
+                      (dict(logit_bias={1: 500}), "logit_bias")):
+        with pytest.raises(ValueError, match=field):
+            moejax.generate(model, [[5, 6, 7]], max_new_tokens=4, **kw)
