@@ -54,6 +54,11 @@ class Tokenizer:
         self.chat_template = spec
 
     @property
+    def backend(self) -> _HFTokenizer:
+        """The tokenizers library's Tokenizer (for libraries that read the vocabulary: structured_output.py)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

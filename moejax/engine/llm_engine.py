@@ -37,6 +37,7 @@ from moejax.engine.scheduler import Scheduler
 from moejax.engine.sequence import Sequence, Status
 from moejax.eplb.balancer import ExpertLoadBalancer
 from moejax.parallel.processes import shared_seed
+from moejax.structured_output import sequence_grammar
 
 
 @dataclasses.dataclass
@@ -127,6 +128,8 @@ class LLMEngine:
         seq = Sequence(prompt_ids, params, seed, request_id)
         seq.controls = sample_controls.prepare(params, self.tokenizer, vocab, self.eos_token_ids,
                                                speculative=not self.proposer.own_decode)
+        seq.grammar = sequence_grammar(params, self.tokenizer, vocab, self.eos_token_ids,
+                                       speculative=not self.proposer.own_decode)
         if after is not None and self.blocks.enable_prefix_caching and not self._prompt_cached(after):
             self._held.append((after, seq))
         else:

@@ -51,6 +51,7 @@ from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_
 from moejax.layers.sampler import MAX_TOP_LOGPROBS, SampleMode, read_history, record, sample
 from moejax.parallel.processes import agree_min, to_host
 from moejax.parallel.sharding import RANK, REPLICATED, param_specs
+from moejax.structured_output import peek_pending
 
 
 @dataclasses.dataclass
@@ -645,6 +646,7 @@ class ModelRunner:
             tokens = jax.device_put(tokens, self._tok_sharding)
         logits, counts, dispatched = self.run_step(self._decode, tokens, positions, slots, tables, lens)
         self.record_stats(counts, dispatched)
+        peek_pending(flat, prev)  # constrained rows' tokens in flight, for their masks (read while the step runs)
         sampled = self.sample_logits(logits, ranks, B, lens)
         for s in seqs:
             s.num_pending_tokens += 1

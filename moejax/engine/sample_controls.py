@@ -194,6 +194,8 @@ def step_arrays(ranks, B: int, vocab_size: int, rows: HistoryRows, real, rows_pe
             at = slice(i * R, (i + 1) * R)
             if c.mask is not None:
                 mask[q, at] = c.mask
+            if s.grammar is not None:  # structured outputs: what the grammar allows next (moejax/structured_output.py)
+                mask[q, at] &= s.grammar.mask_row(s.output_ids)
             if c.min_tokens:
                 n = s.num_output_tokens + s.num_pending_tokens + np.arange(R)
                 for j in np.nonzero(n < c.min_tokens)[0]:

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from moejax.layers.sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from moejax.structured_output import Constraint
 
 INT32_MAX = 2**31 - 1  # top_k and token ids become int32 arrays of the compiled step
 
@@ -36,6 +37,7 @@ class SamplingParams:
     min_p: float = 0.0  # tokens below min_p x the most likely's probability are dropped (sampling rows)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] = dataclasses.field(default_factory=list)  # never generated (vLLM's tokenisation rule)
+    structured_outputs: Constraint | None = None  # the output matches it (moejax/structured_output.py's mask)
 
     @property
     def uses_controls(self) -> bool:
@@ -117,8 +119,10 @@ class SamplingParams:
                                                                     for w in self.bad_words):
             raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"[:300])
         self.bad_words = list(self.bad_words)
+        self.structured_outputs = Constraint.of(self.structured_outputs)
         self._uses_controls = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                                    or self.logit_bias or self.min_tokens or self.min_p
-                                   or self.allowed_token_ids is not None or self.bad_words)
+                                   or self.allowed_token_ids is not None or self.bad_words
+                                   or self.structured_outputs is not None)
         if self.prompt_logprobs is not None:
             check_num("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS, integer=True)

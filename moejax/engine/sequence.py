@@ -24,6 +24,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_ids)
         self.params = params
         self.controls = None  # its sampling controls laid out for the sampler (engine/sample_controls.py), if any
+        self.grammar = None  # its structured output's matcher (moejax/structured_output.py), if any
         self.seed = seed  # always set: drawn by the engine when the request gives none
         self.status = Status.WAITING
         self.block_table: list[int] = []

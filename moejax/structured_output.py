@@ -1,0 +1,191 @@
+"""Structured outputs (vLLM's ``response_format``, ``structured_outputs`` and ``guided_*``) through xgrammar
+(the grammar library vLLM and SGLang use; the optional extra ``pip install 'moejax[structured]'``).
+
+A request's constraint (``Constraint``: a JSON schema, any JSON object, a regex, a choice of strings or an
+EBNF grammar) is compiled once per distinct constraint (xgrammar's compiler caches them) against the
+tokenizer's vocabulary. Each sequence that has one gets its own matcher (``SequenceGrammar``), which
+follows the sequence's output tokens and gives, for the next token, the row of allowed tokens in
+layers/sampler.py's vocabulary-mask layout (xgrammar's bitmask: bit t % 32 of int32 word t // 32). The
+sampling controls' host side (engine/sample_controls.py) ANDs that row into the sampler's one mask
+input, so a constrained request runs the sampler's controls variant and nothing else changes.
+
+When the mask is built: after the step's model program has been dispatched and before its sampler is
+(model_runner.py runs them as two programs), so the host fills the rows while the device runs the
+model. With async scheduling the token each sequence sampled in the step still in flight is read first
+(``peek_pending``: it is done by then, the device having moved on to the next model step), so the
+overlap of the model step with the host's work is kept.
+
+The grammar ends the answer: once it is complete the mask allows only the stop tokens (EOS), which the
+engine's EOS rule stops on; so ``ignore_eos`` and ``min_tokens`` (which mask EOS) are refused with a
+constraint, and so is speculative decoding (the mask of a draft position depends on the drafts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+
+import numpy as np
+
+from moejax.parallel.processes import to_host
+
+XGRAMMAR_VERSION = "0.2.8"  # pyproject.toml's structured extra
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """What the output must match: ``kind`` one of KINDS; ``spec`` its text (a JSON schema as JSON, a
+    regex, the choices as a JSON list, an EBNF grammar; "" for json_object, any JSON object as vLLM's).
+    ``any_whitespace`` false: JSON without free whitespace (vLLM's disable_any_whitespace)."""
+    kind: str
+    spec: str = ""
+    any_whitespace: bool = True
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"structured_outputs: unknown kind {self.kind!r}; one of {KINDS}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured_outputs: the {self.kind} constraint must be text, got {type(self.spec).__name__}")
+
+    @classmethod
+    def of(cls, value) -> Constraint | None:
+        """A Constraint from itself, a dict of its fields (SamplingParams crossing a process as JSON), or None."""
+        if value is None or isinstance(value, Constraint):
+            return value
+        if isinstance(value, dict) and set(value) <= {"kind", "spec", "any_whitespace"}:
+            return cls(**value)
+        raise ValueError(f"structured_outputs must be a Constraint, got {value!r}"[:200])
+
+    @classmethod
+    def choice(cls, options: list[str]) -> Constraint:
+        if not options or not all(isinstance(o, str) for o in options):
+            raise ValueError("the choice must be a non-empty list of strings")
+        return cls("choice", json.dumps(list(options), ensure_ascii=False))
+
+
+def xgrammar():
+    """The xgrammar module; a ValueError saying how to install it when absent (a 400 on the server)."""
+    try:
+        import xgrammar as xgr  # noqa: PLC0415 - optional dependency, imported on first use (it imports torch)
+    except ImportError:
+        raise ValueError(f"structured outputs need xgrammar {XGRAMMAR_VERSION}, which is not installed: "
+                         "pip install 'moejax[structured]'") from None
+    return xgr
+
+
+class Grammars:
+    """One tokenizer's grammar compiler (a vocabulary of ``vocab_size`` ids: the model's, which may exceed the
+    tokenizer's); ``compile`` raises a ValueError naming what is wrong with a constraint."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        xgr = xgrammar()
+        from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - xgrammar's own dependency
+
+        stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)  # it caches what it compiled
+        self.vocab_size = vocab_size
+
+    def compile(self, c: Constraint):
+        try:
+            if c.kind in ("json", "json_object"):
+                spec = c.spec if c.kind == "json" else '{"type": "object"}'
+                json.loads(spec)  # a clear error for text that is no JSON at all
+                return self.compiler.compile_json_schema(spec, any_whitespace=c.any_whitespace)
+            if c.kind == "regex":
+                return self.compiler.compile_regex(c.spec)
+            if c.kind == "choice":
+                options = json.loads(c.spec)
+                # each option a literal of the grammar: JSON's string escapes are EBNF's
+                return self.compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+            return self.compiler.compile_grammar(c.spec)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError on a bad spec
+            why = _XGR_PREFIX.sub("", str(e).strip())  # "[time] file.cc:line: " of its C++ checks
+            raise ValueError(f"the {c.kind} constraint cannot be compiled: {why[:300]}") from None
+
+
+_XGR_PREFIX = re.compile(r"^\[[^\]]*\] \S+: ")
+
+
+@functools.lru_cache(maxsize=8)
+def grammars_for(tokenizer, vocab_size: int) -> Grammars:
+    """The process's Grammars of this tokenizer (the server's request checks and the engine share it)."""
+    return Grammars(tokenizer, vocab_size)
+
+
+def check_request(params, speculative: bool) -> None:
+    """A ValueError naming the field that cannot go with a constraint (module docstring says why)."""
+    if params.ignore_eos:
+        raise ValueError("ignore_eos: a structured output ends with EOS once its grammar is complete")
+    if params.min_tokens:
+        raise ValueError("min_tokens: it masks EOS, which ends a structured output once its grammar is complete")
+    if speculative:
+        raise ValueError("structured_outputs: not supported with speculative decoding (a draft position's mask "
+                         "depends on the drafts)")
+
+
+class SequenceGrammar:
+    """One sequence's matcher, following its output tokens (``mask_row`` catches up on the tokens it has not
+    seen, and rolls back those a dropped step took away)."""
+
+    def __init__(self, grammars: Grammars, constraint: Constraint, stop_token_ids):
+        xgr = xgrammar()
+        self.stop = [int(t) for t in stop_token_ids]
+        self.matcher = xgr.GrammarMatcher(grammars.compile(constraint), override_stop_tokens=self.stop)
+        self.words = xgr.get_bitmask_shape(1, grammars.vocab_size)[1]
+        self.accepted: list[int] = []
+        self.pending: tuple[int, int] | None = None  # (output index, token) sampled in the step in flight
+
+    def mask_row(self, output_ids: list[int]) -> np.ndarray:
+        """int32 [W]: the tokens the grammar allows after ``output_ids`` (and the pending token)."""
+        tokens = list(output_ids)
+        if self.pending is not None and self.pending[0] == len(tokens):
+            tokens.append(self.pending[1])
+        self.pending = None
+        keep = 0
+        while keep < min(len(self.accepted), len(tokens)) and self.accepted[keep] == tokens[keep]:
+            keep += 1
+        if keep < len(self.accepted):
+            self.matcher.rollback(len(self.accepted) - keep)
+            del self.accepted[keep:]
+        for t in tokens[keep:]:
+            if not self.matcher.accept_token(int(t)):
+                raise RuntimeError(f"token {t} was sampled against the grammar's mask")
+            self.accepted.append(int(t))
+        row = np.zeros((1, self.words), np.int32)
+        if self.matcher.is_terminated():
+            # it took its stop token in the step in flight: this step's sample is dropped (the engine ends the
+            # sequence when it reads that step); the row allows the stop tokens, never an empty row
+            np.bitwise_or.at(row[0], np.asarray(self.stop) // 32, (1 << (np.asarray(self.stop) % 32)).astype(np.int32))
+        else:
+            self.matcher.fill_next_token_bitmask(row, 0)
+        return row[0]
+
+
+def sequence_grammar(params, tokenizer, vocab_size: int, eos_token_ids, speculative: bool = False):
+    """The SequenceGrammar of a new sequence with these SamplingParams (None without a constraint); a
+    ValueError naming the field for what cannot be served."""
+    c = params.structured_outputs
+    if c is None:
+        return None
+    check_request(params, speculative)
+    if not eos_token_ids:
+        raise ValueError("structured_outputs: this model has no EOS token to end a structured output with")
+    return SequenceGrammar(grammars_for(tokenizer, vocab_size), c, eos_token_ids)
+
+
+def peek_pending(seqs, prev) -> None:
+    """Before a step's mask is built: each constrained sequence's token in ``prev`` (the step in flight) read
+    from the device, so its matcher can take it (one copy for the batch; the engine reads the step after)."""
+    waiting = [s for s in seqs if s.grammar is not None and s.num_pending_tokens]
+    if not waiting or prev is None:
+        return
+    toks = to_host(prev.sampled[0])
+    for s in waiting:
+        r, i = prev.index[s.seq_id]
+        s.grammar.pending = (s.num_output_tokens, int(toks[r, i]))

@@ -1,0 +1,151 @@
+"""Structured outputs through xgrammar (moejax/structured_output.py): the constraints compiled (bad ones a
+ValueError naming what is wrong), a sequence's mask row against a reference built from the choices'
+bytes, catching up on tokens and rolling back dropped ones; in the engine, every output of a mixed batch
+valid (JSON schema, JSON object, regex, choice, EBNF grammar; greedy and sampled), the same tokens with
+async scheduling on and off, and an unconstrained request in the batch unchanged."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+import moejax
+from moejax.engine.sampling_params import SamplingParams
+from moejax.structured_output import Constraint, SequenceGrammar, grammars_for, sequence_grammar
+from moejax.tiny.checkpoint import make_random_checkpoint
+from moejax.tiny.presets import preset
+from moejax.tokenizer import Tokenizer
+
+pytest.importorskip("xgrammar")  # the test extra installs it; the structured extra for users
+
+VOCAB = 260
+EOS = 1
+
+# (a string's maxLength is not used: xgrammar 0.2.8's rule for it lets raw control characters in, which JSON
+# forbids; the pattern bounds the name instead)
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "pet": {"enum": ["cat", "dog", None]}},
+          "required": ["name", "age"], "additionalProperties": False}
+REGEX = r"(yes|no)-[0-9]{2,4}"
+CHOICES = ["red", "green", 'say "hi"\\', "grün"]
+GRAMMAR = 'root ::= "(" num (("+" | "*") num)* ")"\nnum ::= [1-9] [0-9]?'
+
+
+def valid(c: Constraint, text: str) -> bool:
+    """Whether ``text`` satisfies ``c`` (checked here without xgrammar)."""
+    if c.kind in ("json", "json_object"):
+        try:
+            v = json.loads(text)
+        except ValueError:
+            return False
+        if c.kind == "json_object":
+            return isinstance(v, dict)
+        return (isinstance(v, dict) and set(v) <= {"name", "age", "pet"} and {"name", "age"} <= set(v)
+                and isinstance(v["name"], str) and re.fullmatch("[a-z ]{1,6}", v["name"]) and type(v["age"]) is int
+                and 0 <= v["age"] <= 120 and v.get("pet", None) in ("cat", "dog", None))
+    if c.kind == "regex":
+        return re.fullmatch(c.spec, text) is not None
+    if c.kind == "choice":
+        return text in json.loads(c.spec)
+    return re.fullmatch(r"\((?:[1-9][0-9]?[+*])*[1-9][0-9]?\)", text) is not None
+
+
+CONSTRAINTS = [Constraint("json", json.dumps(PERSON), any_whitespace=False), Constraint("json_object", any_whitespace=False),
+               Constraint("regex", REGEX), Constraint.choice(CHOICES), Constraint("grammar", GRAMMAR)]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return make_random_checkpoint(str(tmp_path_factory.mktemp("tiny")), preset("v3-tiny"), seed=11, std=0.1)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_path):
+    return Tokenizer(tiny_path)
+
+
+def test_bad_constraints_name_the_problem(tok):
+    g = grammars_for(tok, VOCAB)
+    for c, what in ((Constraint("regex", "a("), "regex"), (Constraint("json", "{not json"), "json"),
+                    (Constraint("json", '{"type": "frob"}'), "json"), (Constraint("grammar", "root ::= "), "grammar")):
+        with pytest.raises(ValueError, match=f"the {what} constraint cannot be compiled") as ei:
+            g.compile(c)
+        assert "grammar_matcher.cc" not in str(ei.value) and "/project/" not in str(ei.value)
+    for bad in (dict(kind="xml"), dict(kind="regex", spec=5)):
+        with pytest.raises(ValueError, match="structured_outputs"):
+            Constraint(**bad)
+    with pytest.raises(ValueError, match="choice"):
+        Constraint.choice([])
+    assert Constraint.of({"kind": "regex", "spec": "a"}) == Constraint("regex", "a")  # from JSON (the router)
+    for field, kw in (("ignore_eos", dict(ignore_eos=True)), ("min_tokens", dict(min_tokens=2))):
+        with pytest.raises(ValueError, match=field):
+            sequence_grammar(SamplingParams(structured_outputs=Constraint("regex", "a"), **kw), tok, VOCAB, (EOS,))
+    with pytest.raises(ValueError, match="speculative"):
+        sequence_grammar(SamplingParams(structured_outputs=Constraint("regex", "a")), tok, VOCAB, (EOS,), True)
+    assert sequence_grammar(SamplingParams(), tok, VOCAB, (EOS,)) is None
+
+
+def _allowed(row: np.ndarray) -> set[int]:
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB]
+    return set(np.nonzero(bits)[0].tolist())
+
+
+def _byte_ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_mask_rows_follow_the_choices(tok):
+    """After each prefix of an option the row allows exactly the next bytes of the options that prefix
+    begins (and EOS once an option is complete), a reference computed from the options' bytes alone."""
+    g = SequenceGrammar(grammars_for(tok, VOCAB), Constraint.choice(CHOICES), (EOS,))
+    options = [_byte_ids(tok, o) for o in CHOICES]
+    for opt in options:
+        for k in range(len(opt) + 1):
+            prefix = opt[:k]
+            want = {o[k] for o in options if o[:k] == prefix and len(o) > k} | ({EOS} if prefix in options else set())
+            assert _allowed(g.mask_row(prefix)) == want, (prefix, want)  # catches up and rolls back as needed
+    g.mask_row([])
+    assert g.accepted == []
+    g.pending = (1, options[0][1])  # a token still in flight, taken before the host has appended it
+    assert _allowed(g.mask_row(options[0][:1])) == {options[0][2]} and g.accepted == options[0][:2]
+    with pytest.raises(RuntimeError, match="against the grammar"):
+        g.mask_row(_byte_ids(tok, "x"))
+    g = SequenceGrammar(grammars_for(tok, VOCAB), Constraint.choice(["ab"]), (EOS,))
+    assert _allowed(g.mask_row(_byte_ids(tok, "ab") + [EOS])) == {EOS}  # ended: only EOS, never an empty row
+
+
+def _run(engine, tokenizer, requests):
+    seqs = [engine.add_request(tokenizer.encode(prompt), p) for prompt, p in requests]
+    engine.run_to_completion(seqs)
+    return seqs
+
+
+def test_engine_outputs_are_valid(tiny_path):
+    """A batch mixing every kind of constraint, greedy and sampled (seeded), with an unconstrained greedy
+    request among them: each constrained output ends by EOS and satisfies its constraint; the same tokens
+    with async scheduling off; the unconstrained request's tokens are those it gets alone."""
+    model = moejax.load(tiny_path, dtype="float32", max_model_len=256, max_num_seqs=8, progress=False)
+    eng, tk = model.engine, model.tokenizer
+    assert eng.async_scheduling
+    plain = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    alone = _run(eng, tk, [("free text", plain)])[0].output_ids
+    requests = [(f"q{i}", SamplingParams(max_new_tokens=200, temperature=0.0 if i % 2 == 0 else 1.0, seed=i,
+                                         structured_outputs=c))
+                for i, c in enumerate(CONSTRAINTS + CONSTRAINTS)]
+    requests.insert(3, ("free text", plain))
+    runs = []
+    for async_on in (True, False):
+        eng.async_scheduling = async_on
+        seqs = _run(eng, tk, requests)
+        runs.append([s.output_ids for s in seqs])
+        for s in seqs:
+            c = s.params.structured_outputs
+            if c is None:
+                assert s.output_ids == alone
+                continue
+            assert s.finish_reason == "stop" and s.output_ids[-1] == EOS, (c.kind, s.text)
+            assert valid(c, s.text), (c.kind, s.text)
+    eng.async_scheduling = True
+    assert runs[0] == runs[1]
