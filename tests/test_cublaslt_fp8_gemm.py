@@ -43,14 +43,14 @@ def test_bad_arguments_name_the_field():
 
 
 def test_selection(monkeypatch):
-    """CUDA: W8A8 dense projections on the Pallas kernel for DENSE_W8A8_ROWS rows, above them (prefill) on
-    cuBLASLt where its library is built, else W8A16 (XLA's dequantise-then-dot); the override forces a
-    family (cuBLASLt: every row count from the range's start)."""
+    """CUDA: W8A8 dense projections from DENSE_W8A8_ROWS[0] rows on cuBLASLt where its library is built;
+    without it the Pallas kernel within DENSE_W8A8_ROWS, above them W8A16 (XLA's dequantise-then-dot); the
+    override forces a family (cuBLASLt: every row count from the range's start)."""
     monkeypatch.setattr(common, "platform", lambda: "cuda")
     lo, hi = fp8_gemm.DENSE_W8A8_ROWS
     rows = (lo - 1, lo, hi, 8 * hi)
     monkeypatch.setattr(lt, "available", lambda: (True, ""))
-    assert [fp8_gemm.dense_w8a8_kernel(r) for r in rows] == [None, "pallas", "pallas", "cublaslt"]
+    assert [fp8_gemm.dense_w8a8_kernel(r) for r in rows] == [None, "cublaslt", "cublaslt", "cublaslt"]
     assert [moe_fp8.pick_variant("auto", r, 1, FP8) for r in rows] == ["w8a16", "w8a8", "w8a8", "w8a8"]
     monkeypatch.setattr(lt, "available", lambda: (False, "not built"))
     assert [fp8_gemm.dense_w8a8_kernel(r) for r in rows] == [None, "pallas", "pallas", None]

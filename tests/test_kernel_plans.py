@@ -5,7 +5,8 @@ cuBLASLt, the dequantised bf16 experts) over the cases below, under CPU, CUDA an
 jax-triton and cuBLASLt, and under each kernel override; a change of outcome fails here. The whole grid
 (34,008 cases) was compared once when the package was made; the file keeps a third of it.
 Rule changes since, re-recorded (only the cases named changed): 2026-12-07, W8A8 dense GEMMs from
-DENSE_W8A8_ROWS[0] rows on CUDA with cuBLASLt built run cuBLASLt (24 cases were Pallas).
+DENSE_W8A8_ROWS[0] rows on CUDA with cuBLASLt built run cuBLASLt (24 cases were Pallas); 2026-12-07b, MLA
+query rows together only below 64 heads (mla_decode.rows_together; 128 cases).
 And each layer entry point returns an array on every path (XLA, and the kernels in the interpreter)."""
 
 import gzip

@@ -31,3 +31,8 @@ if [ "$PH" = probe1 ] || [ "$PH" = probe2 ]; then
 S=$([ "$PH" = probe1 ] && echo 512x2048 || echo "64x8192 197x2048")
 run $PH 280 python3 benchmarks/2026-12-07b/mla_probe.py $S $R/$PH.json
 fi
+if [ "$PH" = d ]; then
+run mla128_1row 200 python3 scripts/bench_kernels.py --only mla --batch 16 64 197 512 --context 2048 8192 --heads 128 --kv bf16 fp8
+run probe3 200 python3 benchmarks/2026-12-07b/mla_probe.py 512x2048 --warps16 $R/probe3.json
+run mla16_1row 120 python3 scripts/bench_kernels.py --only mla --batch 16 64 256 --context 2048 8192 --heads 16 --kv bf16 fp8
+fi

@@ -193,8 +193,11 @@ def main():
             ref = reference(d, scale)
             flops = B * H * T * (2 * (d["C"] + d["R"]) + 2 * d["C"])
             variants = [(0, 0)] if not fp8 else [(0, 0), (2, 0), (2, 2), (1, 1), (2, 1)]
+            if "--warps16" in sys.argv:  # 4 warpgroups: the [64, 512] accumulator a quarter a warpgroup
+                variants = [(0, 0)]
             for (qmode, pmode), BN, (warps, stages) in itertools.product(
-                    variants, (32, 64), ((8, 1),) if SMOKE else ((8, 1), (8, 2), (8, 3))):
+                    variants, (32, 64), ((8, 1),) if SMOKE else
+                    ((16, 1), (16, 2), (16, 3)) if "--warps16" in sys.argv else ((8, 1), (8, 2), (8, 3))):
                 try:
                     o, ms, info = run(d, H, fp8, qmode, pmode, 64, BN, warps, stages, scale)
                 except Exception as e:  # a variant Triton cannot compile or fit: say so, go on

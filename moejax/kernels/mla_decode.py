@@ -4,10 +4,11 @@ decides once from the shapes, the cache dtype and the platform; ``run`` computes
 
 Rule: Triton for any FP8 cache on CUDA with jax-triton (Hopper: up to 216 KB of shared memory; ROCm's
 64 KB of LDS cannot hold its tiles); else Pallas, or XLA for an FP8 cache with 64+ heads
-(paged_decode.slow_fp8). Several query rows a sequence (the speculative verify) go to the Triton kernel
-together (it reads a sequence's context once for all its rows) over an FP8 cache.
+(paged_decode.slow_fp8). Several query rows a sequence (the speculative verify): together in the Triton
+kernel (a sequence's context read once for all its rows) only where one row leaves its 64-row tile part
+empty (``rows_together``); at 64+ heads each row on its own.
 Measured: BENCHMARKS.md, "MLA and MFA decode kernels" (H100 tiling sweep benchmarks/2026-12-07/h100/r1/mla128s.txt
-and mla16s.txt; rows together benchmarks/2026-12-06d/h100/r1/rows.txt).
+and mla16s.txt; rows together or not benchmarks/2026-12-07b/h100/r1/mla128.txt and mla16.txt).
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ def triton_params(batch: int, heads: int, max_len: int, fp8: bool = False) -> di
                 num_stages=stages)
 
 
+def rows_together(batch: int, heads: int, rows: int, fp8: bool) -> bool:
+    """Whether ``rows`` query rows a sequence run together in the Triton kernel (else each row on its own):
+    below 64 heads (one row does not fill the 64-row tile), over an FP8 cache from 64 (row, head) pairs or
+    256 sequences, over bf16 from 256 sequences (H100: 1.3-2.2x at 16 heads x 4 rows FP8; at 128 heads the
+    rows alone were 10-20% faster over FP8, within noise over bf16)."""
+    if heads >= 64 or rows < 2:
+        return False
+    return batch >= 256 or (fp8 and heads * rows >= 64)
+
+
 def plan(batch: int, heads: int, latent: int, rope: int, max_len: int, block_size: int, cache_dtype,
          mode: str | None = None, rows: int = 1) -> Plan:
     """"triton" / "pallas" with its tiling, or "xla". ``rows`` > 1 (query rows a sequence, ``batch``
@@ -63,8 +74,15 @@ def plan(batch: int, heads: int, latent: int, rope: int, max_len: int, block_siz
     if not forced and not (triton_dim(latent) and triton_dim(rope) and heads >= 1):
         return Plan("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
     fp8 = paged_decode.fp8_cache(cache_dtype)
-    if rows > 1 and (forced or fp8) and mla_kernel(heads, latent, rope, cache_dtype, rows) == "triton":
-        return Plan("triton", dict(triton_params(batch, heads * rows, max_len, fp8), rows=rows), plan_reason(forced))
+    if rows > 1:
+        if forced or common.override("mla_kernel", MLA_KERNEL_ENV, MLA_KERNELS) != "auto":  # tests, measuring
+            together = (forced or fp8) and mla_kernel(heads, latent, rope, cache_dtype, rows) == "triton"
+        else:
+            together = (common.platform() == "cuda" and jax_triton_compat.available()[0]
+                        and rows_together(batch, heads, rows, fp8))
+        if together:
+            return Plan("triton", dict(triton_params(batch, heads * rows, max_len, fp8), rows=rows),
+                        plan_reason(forced))
     if mla_kernel(heads, latent, rope, cache_dtype) == "triton":
         return Plan("triton", triton_params(batch, heads, max_len, fp8), plan_reason(forced))
     if not forced and paged_decode.slow_fp8(heads, cache_dtype):
