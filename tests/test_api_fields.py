@@ -47,10 +47,9 @@ VLLM_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 
 # a value other than the neutral one, per NEUTRAL_ONLY field
 NOT_NEUTRAL = {
-    "n": 2, "best_of": 2, "echo": True, "suffix": "x", "prompt_embeds": "AAAA",
+    "suffix": "x", "prompt_embeds": "AAAA",
     "use_beam_search": True, "length_penalty": 0.5,
     "spaces_between_special_tokens": False,
-    "prompt_logprobs": 1,
     "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"regex": "a"},

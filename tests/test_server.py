@@ -283,13 +283,13 @@ def test_bad_inputs_get_openai_errors(server, client):
     expect(openai.BadRequestError, "prompt", comp, **{**base, "prompt": 3.5})
     expect(openai.BadRequestError, "prompt", comp, **{**base, "prompt": [1, 2, 100000]})
     expect(openai.BadRequestError, "prompt", comp, **{**base, "prompt": ["a", "b"], "stream": True})
-    expect(openai.BadRequestError, "n", comp, **{**base, "n": 2})
+    expect(openai.BadRequestError, "n", comp, **{**base, "n": 0})
     expect(openai.BadRequestError, "ignore_eos", comp, **base, extra_body={"ignore_eos": "yes"})
     expect(openai.BadRequestError, "stream_options", comp, **base, stream_options={"include_usage": True})
     expect(openai.BadRequestError, "messages", chat, model=NAME, messages=[])
     expect(openai.BadRequestError, "messages", chat, model=NAME, messages="hi")
     expect(openai.BadRequestError, "messages", chat, model=NAME, messages=[{"role": "robot", "content": "x"}])
-    expect(openai.BadRequestError, "n", chat, model=NAME, messages=[{"role": "user", "content": "x"}], n=3)
+    expect(openai.BadRequestError, "n", chat, model=NAME, messages=[{"role": "user", "content": "x"}], n=129)
     # the server is still fine
     assert client.completions.create(**base).usage.completion_tokens >= 1
     with urllib.request.urlopen(server.url + "/health") as r:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import inspect
 import json
 import os
 import socket
@@ -28,6 +29,7 @@ import traceback
 from aiohttp import web
 
 import moejax
+from moejax.engine import parallel_sampling
 from moejax.server import protocol
 from moejax.server.access import AccessPolicy, access_middleware, add_cors_headers
 from moejax.server.app_keys import CTX_KEY, ENGINE_KEY, STATE_KEY
@@ -84,13 +86,20 @@ def _client_gone(request: web.Request) -> bool:
     return t is None or t.is_closing()
 
 
-async def _submit(aengine: AsyncEngine, req: protocol.ParsedRequest, prompt_ids: list[int]):
+async def _submit(aengine: AsyncEngine, req: protocol.ParsedRequest, prompt_ids: list[int], params, after=None):
+    """One sequence; ``after``: the stream of its prompt's first sample, whose cached prompt it shares (an engine
+    whose add_request takes no ``after``, a disaggregated router's, prefills each sample's prompt itself)."""
+    kw = {"after": after} if after is not None and _shares_prompts(aengine) else {}
     try:
-        return await aengine.add_request(prompt_ids, req.params)
+        return await aengine.add_request(prompt_ids, params, **kw)
     except ValueError as e:
         raise APIError(str(e), param="messages" if req.chat else "prompt") from None
     except EngineDeadError as e:
         raise APIError(f"the engine is not running: {e}", status=503, type_="internal_server_error") from None
+
+
+def _shares_prompts(aengine) -> bool:
+    return "after" in inspect.signature(aengine.add_request).parameters
 
 
 def _error_type(status: int) -> str:
@@ -117,14 +126,18 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     req = await _parse(request, chat)
     streams = []
     try:
-        for ids in req.prompts:  # a list of prompts: one sequence each, served together
-            stream = await _submit(aengine, req, ids)
-            streams.append(stream)
-            state.inflight.add(stream)
+        for ids in req.prompts:  # a list of prompts: best_of sequences each (n > 1, best_of), served together
+            first = None
+            for j in range(req.best_of):
+                stream = await _submit(aengine, req, ids, parallel_sampling.sample_params(req.params, j), first)
+                streams.append(stream)
+                state.inflight.add(stream)
+                first = first or stream
         if req.stream:
-            return await _stream(request, req, streams[0], aengine, ctx)
+            return await _stream(request, req, streams, aengine, ctx)
         outputs = await asyncio.gather(*(_collect(request, s, aengine) for s in streams))
-        body = protocol.full_response(req, _response_id(request, req), list(outputs), ctx.tokenizer)
+        outputs = protocol.sample_outputs(req, list(outputs))
+        body = protocol.full_response(req, _response_id(request, req), outputs, ctx.tokenizer)
         return web.json_response(body)
     finally:
         for stream in streams:
@@ -153,7 +166,8 @@ async def _collect(request, stream, aengine) -> protocol.Output:
         if ev.finish_reason is not None:
             if ev.finish_reason == "abort":
                 raise APIError("the request was aborted", 500, type_="internal_server_error")
-            return protocol.Output(ev.text, ids, lps, tops, ev.finish_reason)
+            return protocol.Output(ev.text, ids, lps, tops, ev.finish_reason, ev.cumulative_logprob,
+                                   ev.prompt_logprobs)
 
 
 def _response_id(request: web.Request, req: protocol.ParsedRequest) -> str:
@@ -164,11 +178,11 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _stream(request, req, stream, aengine, ctx) -> web.StreamResponse:
+async def _stream(request, req, streams, aengine, ctx) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     try:
         await resp.prepare(request)
-        await _stream_body(request, resp, req, stream, aengine, ctx)
+        await _stream_body(request, resp, req, streams, aengine, ctx)
     except ConnectionError:
         pass  # the client disconnected mid-stream: _generate aborts the sequence
     return resp
@@ -181,49 +195,71 @@ async def _end_with_error(resp, message: str, status: int) -> None:
     await resp.write_eof()
 
 
-async def _stream_body(request, resp, req, stream, aengine, ctx) -> None:
+@dataclasses.dataclass
+class _StreamChoice:
+    """One choice of a stream (n > 1: several, each its own sequence, text and parser)."""
+    index: int
+    stream: object
+    detok: protocol.IncrementalText
+    parser: object  # reasoning / tool calls out of the deltas (chat_output.py), or None
+
+    def next(self) -> asyncio.Future:
+        return asyncio.ensure_future(self.stream.get(POLL_S))
+
+
+async def _stream_body(request, resp, req, streams, aengine, ctx) -> None:
+    """The choices' chunks as their tokens come (each with its index), then the usage of all of them."""
     rid, created = _response_id(request, req), int(time.time())
-    detok = protocol.IncrementalText(ctx.tokenizer, req.params.stop, req.params.include_stop_str_in_output,
-                                     req.params.skip_special_tokens)
+    p = req.params
+    choices = [_StreamChoice(i, s, protocol.IncrementalText(ctx.tokenizer, p.stop, p.include_stop_str_in_output,
+                                                            p.skip_special_tokens),
+                             req.parsing.new() if req.parsing is not None else None) for i, s in enumerate(streams)]
     n_out = 0
-    parser = req.parsing.new() if req.parsing is not None else None  # reasoning / tool calls out of the deltas
     if req.chat:
-        await resp.write(_sse(protocol.stream_chunk(req, rid, created, None, [], None, None, ctx.tokenizer,
-                                                    first=True, completion_tokens=0)))
-    while True:
-        ev = await stream.get(POLL_S)
-        if ev is None:
-            if _client_gone(request):
-                return  # the finally of _generate aborts it
-            if not aengine.is_alive:
-                return await _end_with_error(resp, f"the engine died: {aengine.error}", 503)
-            continue
-        if ev.error is not None:
-            return await _end_with_error(resp, ev.error, ev.status)
-        events = [ev]  # take whatever else is queued too: one chunk for all of it (adapts to a slow client)
-        while ev.finish_reason is None and ev.error is None:
-            nxt = stream.get_nowait()
-            if nxt is None:
-                break
-            ev = nxt
-            events.append(ev)
-        if ev.error is not None:
-            return await _end_with_error(resp, ev.error, ev.status)
-        if ev.finish_reason == "abort":
-            return await _end_with_error(resp, "the request was aborted", 500)
-        offset = len(detok.sent)
-        toks = [e for e in events if e.token_id is not None]
-        ids, lps, tops = [e.token_id for e in toks], [e.logprob for e in toks], [e.top_logprobs for e in toks]
-        n_out += len(ids)
-        delta = "".join(detok.add(t) for t in ids)
-        if ev.finish_reason is not None:
-            delta += detok.finish(ev.text)  # the engine's final text: stop strings already cut
-        chunk = protocol.stream_chunk(req, rid, created, delta, ids, lps if ids else None,
-                                      ev.finish_reason, ctx.tokenizer, text_offset=offset, tops=tops,
-                                      completion_tokens=n_out, parser=parser)
-        await resp.write(_sse(chunk))
-        if ev.finish_reason is not None:
-            break
+        for c in choices:
+            await resp.write(_sse(protocol.stream_chunk(req, rid, created, None, [], None, None, ctx.tokenizer,
+                                                        first=True, completion_tokens=0, index=c.index)))
+    waiting = {c.next(): c for c in choices}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: waiting[f].index):
+                c = waiting.pop(fut)
+                ev = fut.result()
+                if ev is None:
+                    if _client_gone(request):
+                        return  # the finally of _generate aborts them
+                    if not aengine.is_alive:
+                        return await _end_with_error(resp, f"the engine died: {aengine.error}", 503)
+                    waiting[c.next()] = c
+                    continue
+                events = [ev]  # whatever else is queued too: one chunk for all of it (adapts to a slow client)
+                while ev.finish_reason is None and ev.error is None:
+                    nxt = c.stream.get_nowait()
+                    if nxt is None:
+                        break
+                    ev = nxt
+                    events.append(ev)
+                if ev.error is not None:
+                    return await _end_with_error(resp, ev.error, ev.status)
+                if ev.finish_reason == "abort":
+                    return await _end_with_error(resp, "the request was aborted", 500)
+                offset = len(c.detok.sent)
+                toks = [e for e in events if e.token_id is not None]
+                ids, lps, tops = [e.token_id for e in toks], [e.logprob for e in toks], [e.top_logprobs for e in toks]
+                n_out += len(ids)
+                delta = "".join(c.detok.add(t) for t in ids)
+                if ev.finish_reason is not None:
+                    delta += c.detok.finish(ev.text)  # the engine's final text: stop strings already cut
+                chunk = protocol.stream_chunk(req, rid, created, delta, ids, lps if ids else None,
+                                              ev.finish_reason, ctx.tokenizer, text_offset=offset, tops=tops,
+                                              completion_tokens=n_out, parser=c.parser, index=c.index)
+                await resp.write(_sse(chunk))
+                if ev.finish_reason is None:
+                    waiting[c.next()] = c
+    finally:
+        for fut in waiting:
+            fut.cancel()
     if req.include_usage:
         await resp.write(_sse(protocol.usage_chunk(req, rid, created, n_out)))
     await resp.write(b"data: [DONE]\n\n")

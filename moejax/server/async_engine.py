@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import queue
 import threading
 import time
@@ -57,6 +58,8 @@ class TokenEvent:
     error: str | None = None  # the request failed (its step raised, or the engine died, or shutdown)
     status: int = 500  # the HTTP status of that error
     handoff: PrefilledRequest | None = None  # a handoff request's sequence, taken out after this token
+    cumulative_logprob: float | None = None  # of the sequence's tokens, on the last event (best_of ranks by it)
+    prompt_logprobs: list | None = None  # on the last event, when asked: engine/prompt_logprobs.PromptLogprob each
 
 
 class RequestStream:
@@ -74,6 +77,7 @@ class RequestStream:
         self.num_output = 0
         self.handoff = False  # end after the first token, the sequence taken out (prefill worker)
         self.prefilled: PrefilledRequest | None = None  # a sequence prefilled elsewhere (decode worker)
+        self.after: RequestStream | None = None  # its prompt's first sample (n > 1): shares its cached prompt
 
     async def get(self, timeout: float | None = None) -> TokenEvent | None:
         """The next event, or None after `timeout` seconds without one."""
@@ -134,6 +138,9 @@ class AsyncEngine:
         self._parked: list[RequestStream] = []  # prefilled requests waiting for room (engine thread only)
         self.num_parked = 0  # prefilled requests that had to wait for room, ever
         self._thread = threading.Thread(target=self._run, name="moejax-engine", daemon=True)
+        # LLMEngine shares a prompt's cached blocks between its samples; a multi-process leader replays calls
+        # without it (each sample prefills its prompt)
+        self._shares_prompts = "after" in inspect.signature(engine.add_request).parameters
 
     # ----- event-loop side ---------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -157,14 +164,17 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive() and not self._stop.is_set()
 
     async def add_request(self, prompt_ids: list[int], params: SamplingParams, handoff: bool = False,
-                          prefilled: PrefilledRequest | None = None) -> RequestStream:
+                          prefilled: PrefilledRequest | None = None,
+                          after: RequestStream | None = None) -> RequestStream:
         """Queues a request; raises ValueError if the engine rejects it (e.g. prompt too long).
         ``handoff``: its last event hands its prefilled sequence over (unless its first token ends it);
-        ``prefilled``: a sequence prefilled elsewhere, decoded here (prompt_ids/params are its own)."""
+        ``prefilled``: a sequence prefilled elsewhere, decoded here (prompt_ids/params are its own); ``after``:
+        an earlier stream of the same prompt (LLMEngine.add_request's ``after``; an engine without it ignores
+        the sharing only, never the sample)."""
         if not self.is_alive:
             raise EngineDeadError(self.error or "the engine is not running")
         stream = RequestStream(self, list(prompt_ids), params, asyncio.get_running_loop())
-        stream.handoff, stream.prefilled = handoff, prefilled
+        stream.handoff, stream.prefilled, stream.after = handoff, prefilled, after
         self._inbox.put(("add", stream))
         while not stream.accepted.done():
             await asyncio.wait({stream.accepted}, timeout=1.0)
@@ -204,7 +214,8 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
         elif op == "add":
             try:
-                stream.seq = self.engine.add_request(stream.prompt_ids, stream.params)
+                kw = {"after": stream.after.seq} if stream.after is not None and self._shares_prompts else {}
+                stream.seq = self.engine.add_request(stream.prompt_ids, stream.params, **kw)
             except ValueError as e:
                 stream.loop.call_soon_threadsafe(_resolve, stream.accepted, ValueError(str(e)))
                 return
@@ -295,6 +306,8 @@ class AsyncEngine:
                     ev = events[-1]
                     if seq.is_finished:
                         ev.finish_reason, ev.text = seq.finish_reason, seq.text
+                        ev.cumulative_logprob = seq.cumulative_logprob
+                        ev.prompt_logprobs = seq.prompt_logprobs if p.prompt_logprobs is not None else None
                         del self._streams[seq.seq_id]
                         self.metrics.on_finish(seq.finish_reason, now - stream.arrival,
                                                stream.first_token_time - stream.arrival, seq.num_output_tokens)

@@ -12,6 +12,7 @@ import uuid
 from pydantic import ValidationError
 
 from moejax.engine import sample_controls
+from moejax.engine import parallel_sampling
 from moejax.engine.sampling_params import SamplingParams
 from moejax.json_file import load_json_file
 from moejax.server import schemas
@@ -84,6 +85,12 @@ class ParsedRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     request_id: str | None = None  # the client's: the response's id
     parsing: OutputParsing | None = None  # chat: the answer's reasoning / tool calls taken out (chat_output.py)
+    n: int = 1  # choices a prompt
+    best_of: int = 1  # sequences a prompt (req.prompts[i]'s at i * best_of + j), the best n returned
+    echo: bool = False  # completions: each choice starts with its prompt (text, logprobs)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone
+    prompt_logprobs: int | None = None  # vLLM's field: the prompt's logprobs with their top N
+    prompt_texts: list[str] | None = None  # each prompt as echoed
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -218,6 +225,9 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     key, max_tokens = "max_tokens", body.max_tokens
     if chat and max_tokens is None:
         key, max_tokens = "max_completion_tokens", body.max_completion_tokens
+    echo_only = not chat and body.echo is True and max_tokens == 0  # vLLM's: the prompt alone
+    if echo_only:
+        max_tokens = 1  # the prefill samples a token anyway; sample_outputs drops it
     room = ctx.max_model_len - n
     if max_tokens is None:
         max_tokens = min(ctx.defaults.get("max_new_tokens", room if chat else 16), room)
@@ -252,10 +262,11 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         field = msg.split(" ", 1)[0].rstrip(":")
         raise APIError(msg, param=field if field in body.model_fields_set else None) from None
     so = body.stream_options
-    return ParsedRequest(chat, prompts, params, body.stream, so.include_usage if so else False, logprobs,
+    req = ParsedRequest(chat, prompts, params, body.stream, so.include_usage if so else False, logprobs,
                          body.return_token_ids, model, top_n, body.return_tokens_as_token_ids,
                          so.continuous_usage_stats if so else False, body.request_id,
-                         _output_parsing(body, ctx) if chat else None)
+                        _output_parsing(body, ctx) if chat else None)
+    return _with_samples(req, body, ctx, echo_only)
 
 
 def _output_parsing(body, ctx: ServingContext) -> OutputParsing | None:
@@ -308,6 +319,98 @@ def _controls(body, ctx: ServingContext) -> dict:
         logit_bias=bias, min_tokens=body.min_tokens or 0, allowed_token_ids=body.allowed_token_ids,
         bad_words=body.bad_words or [],
     )
+
+
+# ----- samples of each prompt (n, best_of), echo, prompt logprobs --------------------------------
+
+def _with_samples(req: ParsedRequest, body, ctx: ServingContext, echo_only: bool) -> ParsedRequest:
+    """n / best_of (engine/parallel_sampling.py), completions' echo and vLLM's prompt_logprobs, checked with
+    vLLM's rules; the engine computes the most prompt alternatives either asks for."""
+    n = 1 if body.n is None else body.n
+    try:
+        runs = parallel_sampling.check(n, body.best_of)
+    except ValueError as e:
+        raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
+    if body.stream and runs > n:
+        raise APIError("'best_of' larger than 'n' cannot be streamed: the best are known only at the end",
+                       param="best_of")
+    if len(req.prompts) * runs > MAX_PROMPTS:
+        raise APIError(f"{len(req.prompts)} prompt(s) x {runs} samples is more than {MAX_PROMPTS} sequences",
+                       param="best_of" if body.best_of is not None else "n")
+    if req.chat and body.echo not in (None, False):
+        raise APIError(f"'echo'={body.echo!r}"[:100] + " is not supported on chat completions by this server; it is "
+                       "refused rather than ignored", param="echo")
+    echo = not req.chat and bool(body.echo)
+    if echo and body.stream:
+        raise APIError("'echo' cannot be streamed by this server (send stream: false)", param="echo")
+    k = body.prompt_logprobs
+    if k is not None and body.stream:
+        raise APIError("'prompt_logprobs' are not available when 'stream' is true (vLLM's rule)",
+                       param="prompt_logprobs")
+    want = [x for x in (k, req.top_logprobs if echo and req.logprobs else None) if x is not None]
+    params = dataclasses.replace(req.params, prompt_logprobs=max(want)) if want else req.params
+    texts = _echo_texts(body, req.prompts, ctx.tokenizer) if echo else None
+    return dataclasses.replace(req, params=params, n=n, best_of=runs, echo=echo, echo_only=echo_only,
+                               prompt_logprobs=k, prompt_texts=texts)
+
+
+def _echo_texts(body, prompts: list[list[int]], tokenizer) -> list[str]:
+    """Each prompt as echoed: the string given (vLLM's), else (token ids, a truncated prompt) its decoding."""
+    p = body.prompt
+    given = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+    return [g if isinstance(g, str) and body.truncate_prompt_tokens is None
+            else tokenizer.decode(ids, skip_special_tokens=False) for g, ids in zip(given, prompts)]
+
+
+def sample_outputs(req: ParsedRequest, outputs: list[Output]) -> list[Output]:
+    """The choices of a request's sequences (req.best_of a prompt, in prompt order): each prompt's best n,
+    prompt i's j-th at i * n + j (vLLM's index rule), each with its prompt's logprobs (its first sample's)."""
+    out = []
+    for i in range(len(req.prompts)):
+        group = outputs[i * req.best_of:(i + 1) * req.best_of]
+        # an engine that does not give them (a disaggregated router: the prefill worker keeps its rows): refused
+        if req.params.prompt_logprobs is not None and group[0].prompt_logprobs is None:
+            raise APIError("prompt logprobs are not served by this server's engine (a disaggregated server's prefill "
+                           "worker keeps them); it is refused rather than ignored",
+                           param="prompt_logprobs" if req.prompt_logprobs is not None else "echo")
+        if req.best_of > req.n and any(o.cumulative_logprob is None for o in group):
+            raise APIError("best_of is not served by this server's engine (no cumulative logprobs); it is refused "
+                           "rather than ignored", param="best_of")
+        for k in parallel_sampling.best([o.cumulative_logprob for o in group], req.n):
+            o = dataclasses.replace(group[k], prompt_logprobs=group[0].prompt_logprobs)
+            if req.echo_only:  # max_tokens 0: the token the prefill sampled is not part of the answer
+                o = dataclasses.replace(o, text="", token_ids=[], lps=[], tops=[], finish_reason="length")
+            out.append(o)
+    return out
+
+
+def _choice_logprobs(req: ParsedRequest, tokenizer, o: Output, i: int) -> dict:
+    """Choice i's logprobs; with echo its prompt's first, None for the prompt's first token (vLLM's layout,
+    which lm-eval's loglikelihood reads)."""
+    if not req.echo:
+        return logprobs_object(req, tokenizer, o.token_ids, o.lps or [], o.tops)
+
+    def render(t):
+        return token_str(tokenizer, t, req.tokens_as_ids)
+    prompt, entries = req.prompts[i // req.n], o.prompt_logprobs or []
+    lps = [None, *(e.logprob for e in entries), *(o.lps or [])]
+    alts = [None, *([(render(t), lp) for t, lp in e.top] for e in entries),
+            *([(render(t), lp) for t, lp in top] if top else [] for top in (o.tops or [None] * len(o.token_ids)))]
+    return completion_logprobs([render(t) for t in prompt + o.token_ids], lps, alts)
+
+
+def _vllm_prompt_logprobs(req: ParsedRequest, tokenizer, o: Output, i: int) -> list:
+    """vLLM's prompt_logprobs: None, then per prompt token {token id: {logprob, rank, decoded_token}}, the token
+    first, then its req.prompt_logprobs most likely (ranks 1, 2, ...)."""
+    def entry(t, lp, rank):
+        return {"logprob": _logprob(lp), "rank": rank, "decoded_token": token_str(tokenizer, t, req.tokens_as_ids)}
+    out: list = [None]
+    for t, e in zip(req.prompts[i // req.n][1:], o.prompt_logprobs or []):
+        d = {str(t): entry(t, e.logprob, e.rank)}
+        for r, (a, lp) in enumerate(e.top[:req.prompt_logprobs], 1):
+            d.setdefault(str(a), entry(a, lp, r))
+        out.append(d)
+    return out
 
 
 # ----- the tokenizer endpoints (vLLM's /tokenize, /detokenize, /tokenizer_info) --------------
@@ -395,13 +498,13 @@ def _top_dict(alts: list[tuple[str, float]]) -> dict[str, float]:
 def completion_logprobs(tokens: list[str], lps: list[float], alts: list[list[tuple[str, float]]],
                         offset0: int = 0) -> dict:
     """The legacy completions form; ``alts``: each token's alternatives (token string, logprob), descending
-    (empty lists for logprobs: 0)."""
+    (empty lists for logprobs: 0); a None logprob and alternatives: an echoed prompt's first token."""
     offsets, o = [], offset0
     for t in tokens:
         offsets.append(o)
         o += len(t)
-    return {"tokens": tokens, "token_logprobs": [_logprob(lp) for lp in lps],
-            "top_logprobs": [_top_dict(a) for a in alts], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else _logprob(lp) for lp in lps],
+            "top_logprobs": [None if a is None else _top_dict(a) for a in alts], "text_offset": offsets}
 
 
 def _chat_entry(t: str, lp: float) -> dict:
@@ -432,13 +535,15 @@ class Output:
     lps: list[float] | None
     tops: list | None
     finish_reason: str
+    cumulative_logprob: float | None = None  # of its tokens (None: the engine gives none): best_of keeps the highest
+    prompt_logprobs: list | None = None  # engine/prompt_logprobs.PromptLogprob of prompt tokens 1.., when asked
 
 
 def full_response(req: ParsedRequest, rid: str, outputs: list[Output], tokenizer) -> dict:
-    """The non-streaming body: one choice a prompt (``outputs`` in the order of req.prompts)."""
+    """The non-streaming body: one choice an output (``sample_outputs``': req.n a prompt, in prompt order)."""
     choices = []
     for i, o in enumerate(outputs):
-        lp_obj = logprobs_object(req, tokenizer, o.token_ids, o.lps or [], o.tops) if req.logprobs else None
+        lp_obj = _choice_logprobs(req, tokenizer, o, i) if req.logprobs else None
         if req.chat and req.parsing is not None:
             out = req.parsing.new()
             choice = {"index": i, "message": out.message(o.text), "logprobs": lp_obj,
@@ -447,26 +552,31 @@ def full_response(req: ParsedRequest, rid: str, outputs: list[Output], tokenizer
             choice = {"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": lp_obj,
                       "finish_reason": o.finish_reason}
         else:
-            choice = {"index": i, "text": o.text, "logprobs": lp_obj, "finish_reason": o.finish_reason}
+            text = req.prompt_texts[i // req.n] + o.text if req.echo else o.text
+            choice = {"index": i, "text": text, "logprobs": lp_obj, "finish_reason": o.finish_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(req, tokenizer, o, i)
         if req.return_token_ids:
             choice["token_ids"] = list(o.token_ids)
             if len(outputs) > 1:
-                choice["prompt_token_ids"] = list(req.prompts[i])
+                choice["prompt_token_ids"] = list(req.prompts[i // req.n])
         choices.append(choice)
     n_prompt, n_out = sum(len(p) for p in req.prompts), sum(len(o.token_ids) for o in outputs)
     out = {"id": rid, "object": "chat.completion" if req.chat else "text_completion", "created": int(time.time()),
            "model": req.model, "choices": choices, "usage": usage(n_prompt, n_out)}
     if req.return_token_ids and len(outputs) == 1:
         out["prompt_token_ids"] = list(req.prompt_ids)
+    if req.chat and req.prompt_logprobs is not None:  # vLLM's chat: beside the choices
+        out["prompt_logprobs"] = _vllm_prompt_logprobs(req, tokenizer, outputs[0], 0)
     return out
 
 
 def stream_chunk(req: ParsedRequest, rid: str, created: int, delta_text: str | None, token_ids: list[int],
                  lps: list[float] | None, finish_reason: str | None, tokenizer, first: bool = False,
                  text_offset: int = 0, tops: list | None = None, completion_tokens: int | None = None,
-                 parser: ChatOutput | None = None) -> dict:
+                 parser: ChatOutput | None = None, index: int = 0) -> dict:
     """``completion_tokens``: the tokens so far, for stream_options.continuous_usage_stats (usage: null else);
-    ``parser``: the stream's ChatOutput (req.parsing.new()), which makes the chat delta."""
+    ``parser``: the stream's ChatOutput (req.parsing.new()), which makes the chat delta; ``index``: the choice's."""
     lp_obj = None
     if req.logprobs and token_ids:
         lp_obj = logprobs_object(req, tokenizer, token_ids, lps or [], tops, text_offset)
@@ -478,9 +588,9 @@ def stream_chunk(req: ParsedRequest, rid: str, created: int, delta_text: str | N
             finish_reason = parser.finish_reason(finish_reason)
         else:
             delta = {"content": delta_text} if delta_text or finish_reason is None else {}
-        choice = {"index": 0, "delta": delta, "logprobs": lp_obj, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": lp_obj, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": delta_text or "", "logprobs": lp_obj, "finish_reason": finish_reason}
+        choice = {"index": index, "text": delta_text or "", "logprobs": lp_obj, "finish_reason": finish_reason}
     if req.return_token_ids:
         choice["token_ids"] = list(token_ids)
     return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion", "created": created,

@@ -73,7 +73,7 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # vLLM's
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -192,6 +192,10 @@ HONOURED = {
     "add_special_tokens": "tokeniser (completions: default true, chat: default false)",
     "add_generation_prompt": "chat template", "chat_template_kwargs": "chat template's variables",
     "request_id": "the response's id (cmpl-<id> / chatcmpl-<id>, vLLM's)",
+    "n": "samples of each prompt (engine/parallel_sampling.py), the prompt prefilled once",
+    "best_of": "samples run, the n of highest cumulative logprob returned",
+    "echo": "completions: the prompt (text, logprobs) before the completion; chat: refused unless false",
+    "prompt_logprobs": "each prompt token's logprob and top N, from the prefill (engine/prompt_logprobs.py)",
     "include_stop_str_in_output": "engine's stop cut and the stream's", "skip_special_tokens": "detokenisation",
     "tools": "chat template; parsed from the answer with --tool-call-parser (chat_output.py)",
     "tool_choice": "none: not parsed; auto: --enable-auto-tool-choice's parser", "parallel_tool_calls": "false: the first call only",
@@ -204,10 +208,9 @@ HONOURED = {
 
 # Refused (400 naming the field) unless given this value, which is what the server does anyway.
 NEUTRAL_ONLY = {
-    "n": 1, "best_of": 1, "echo": False, "suffix": None, "prompt_embeds": None,
+    "suffix": None, "prompt_embeds": None,
     "use_beam_search": False, "length_penalty": 1,
     "spaces_between_special_tokens": True,
-    "prompt_logprobs": None,
     "response_format": {"type": "text"}, "guided_json": None, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
     "structural_tag": None, "structured_outputs": None, "priority": 0,
