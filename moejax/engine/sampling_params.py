@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from moejax.layers.sampler import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from moejax.layers.sampler import CONTROLS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SampleMode
 from moejax.structured_output import Constraint
 
 INT32_MAX = 2**31 - 1  # top_k and token ids become int32 arrays of the compiled step
@@ -41,9 +41,8 @@ class SamplingParams:
 
     @property
     def uses_controls(self) -> bool:
-        """Whether the batch needs the sampler's controls variant for this request (decided once: every step
-        asks it of every sequence)."""
-        return self._uses_controls
+        """Whether the batch needs the sampler's controls variant for this request."""
+        return self.sample_mode.controls
 
     def __post_init__(self):
         def check_num(name, v, lo, hi=None, integer=False):
@@ -120,9 +119,11 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"[:300])
         self.bad_words = list(self.bad_words)
         self.structured_outputs = Constraint.of(self.structured_outputs)
-        self._uses_controls = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                                   or self.logit_bias or self.min_tokens or self.min_p
-                                   or self.allowed_token_ids is not None or self.bad_words
-                                   or self.structured_outputs is not None)
+        controls = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                        or self.logit_bias or self.min_tokens or self.min_p
+                        or self.allowed_token_ids is not None or self.bad_words
+                        or self.structured_outputs is not None)
+        # what the sampler needs for this request, decided once: every step asks it of every sequence
+        self.sample_mode = CONTROLS if controls else SampleMode.of_request(self)
         if self.prompt_logprobs is not None:
             check_num("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS, integer=True)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's and OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # logit_bias entries a request may give (static: the bias arrays' width)
 MAX_BAD_WORDS = 32  # token sequences of bad_words a request may have (each word tokenised both ways)
-MAX_BAD_WORD_TOKENS = 8  # tokens of one bad word (its last is banned after the others)
+MAX_BAD_WORD_TOKENS = 16  # tokens of one bad word (its last is banned after the others)
 RECENT = MAX_BAD_WORD_TOKENS - 1  # last output tokens a history row keeps for bad words
 MASK_BITS = 32  # tokens per word of the vocabulary mask
 
@@ -83,14 +83,18 @@ class SampleMode(NamedTuple):
     controls: bool = False  # some row uses a sampling control: the one general variant (CONTROLS)
 
     @classmethod
+    def of_request(cls, p) -> "SampleMode":
+        """What one request's SamplingParams need without controls (SamplingParams.sample_mode keeps it)."""
+        random = p.temperature > 0
+        return cls(random, bool(p.top_logprobs), random and (p.top_k > 0 or p.top_p < 1.0))
+
+    @classmethod
     def of(cls, params) -> "SampleMode":
-        """The mode of a batch of SamplingParams."""
-        params = list(params)
-        if any(p.uses_controls for p in params):
+        """The mode of a batch of SamplingParams: what any of them needs (one pass over a set of few modes)."""
+        modes = {p.sample_mode for p in params}
+        if CONTROLS in modes:
             return CONTROLS
-        random = any(p.temperature > 0 for p in params)
-        truncate = random and any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params)
-        return cls(random, any(p.top_logprobs for p in params), truncate)
+        return cls(*(any(m[i] for m in modes) for i in range(3)))
 
     @classmethod
     def all(cls) -> list["SampleMode"]:
