@@ -26,7 +26,9 @@ import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 
-from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call  # noqa: E402
+from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call, time_device  # noqa: E402
+
+WALL = SMOKE = False  # set from --wall / --smoke in main
 from moejax.kernels import common, mfa_decode, mla_decode, moe, paged_decode  # noqa: E402
 from moejax.kernels.common import kernel_mode  # noqa: E402
 from moejax.layers.experts import ExpertWeights, grouped_expert_mlp  # noqa: E402
@@ -42,8 +44,12 @@ BF16 = jnp.bfloat16
 
 
 def bench(fn, *args, iters=20, warmup=3):
-    """Median seconds per call of a jitted fn (compile excluded)."""
-    return time_call(fn, *args, iters=iters, warmup=warmup)
+    """Seconds per call of a jitted fn on the device (roofline.time_device: repetitions inside one
+    program, launch latency and host synchronisation excluded); ``--wall`` times each call from the host
+    instead (the median, compile excluded), as this script did before 2026-12-07b."""
+    if WALL:
+        return time_call(fn, *args, iters=iters, warmup=warmup)
+    return time_device(fn, *args, reps=(1, 2) if SMOKE else (2, 10))
 
 
 def measure_card(smoke: bool):
@@ -310,7 +316,11 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=None,
                     help="MLA: also time Q query rows a sequence (the speculative verify's k + 1), e.g. 2 3 4")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode: checks the script on CPU")
+    ap.add_argument("--wall", action="store_true",
+                    help="time each call from the host (launch latency included) instead of on the device")
     a = ap.parse_args()
+    global WALL, SMOKE
+    WALL, SMOKE = a.wall, a.smoke
     plat = common.platform()
     print(f"jax {jax.__version__}, backend {jax.default_backend()} ({plat}), device {jax.devices()[0].device_kind}")
     if plat == "cpu" and not a.smoke:

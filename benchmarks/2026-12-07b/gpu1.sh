@@ -36,3 +36,12 @@ run mla128_1row 200 python3 scripts/bench_kernels.py --only mla --batch 16 64 19
 run probe3 200 python3 benchmarks/2026-12-07b/mla_probe.py 512x2048 --warps16 $R/probe3.json
 run mla16_1row 120 python3 scripts/bench_kernels.py --only mla --batch 16 64 256 --context 2048 8192 --heads 16 --kv bf16 fp8
 fi
+if [ "$PH" = e ]; then  # device-timed (roofline.time_device) from here
+run mla128_dev 150 python3 scripts/bench_kernels.py --only mla --batch 16 64 197 512 --context 2048 8192 --heads 128 --kv bf16 fp8
+run mla16_dev 90 python3 scripts/bench_kernels.py --only mla --batch 16 64 256 --context 2048 8192 --heads 16 --kv bf16 fp8
+run rows_dev 100 python3 scripts/bench_kernels.py --only mla --batch 16 64 256 --context 2048 --heads 128 16 --kv fp8 --rows 2 4
+fi
+if [ "$PH" = f ]; then  # the shortest device-timed grid (the budget's end)
+run mla128_dev 100 python3 scripts/bench_kernels.py --only mla --batch 16 64 197 512 --context 2048 --heads 128 --kv bf16 fp8
+run mla16_dev 60 python3 scripts/bench_kernels.py --only mla --batch 16 64 256 --context 2048 --heads 16 --kv bf16 fp8
+fi

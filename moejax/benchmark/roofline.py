@@ -22,6 +22,30 @@ def time_call(fn, *args, iters: int = 10, warmup: int = 1, reduce=statistics.med
     return reduce(ts)
 
 
+def time_device(fn, *args, reps: tuple[int, int] = (2, 10), iters: int = 5) -> float:
+    """Seconds per call of ``fn`` on the device, host dispatch and synchronisation excluded: ``fn`` runs n
+    times inside one program for two counts n, and the difference is divided by the difference of the
+    counts (a wall-clock call of a small kernel is mostly launch latency: 200+ us for a 15 us MLA decode
+    on the H100, BENCHMARKS.md 2026-12-07b). Each repetition's last integer argument (else the first) gets
+    0 x the sum of the previous output added, so XLA can neither hoist nor merge the calls; that adds one
+    read of the output a call, the same for every path."""
+    idx = next((i for i in reversed(range(len(args))) if jnp.issubdtype(jnp.asarray(args[i]).dtype, jnp.integer)), 0)
+
+    def looped(n):
+        def loop(*a):
+            def body(_, dep):
+                out = fn(*a[:idx], dep, *a[idx + 1:])
+                total = sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(out))
+                return dep + (total * 0.0).astype(dep.dtype)
+            return jax.lax.fori_loop(0, n, body, a[idx])
+        return jax.jit(loop)
+
+    lo, hi = reps
+    t_lo = time_call(looped(lo), *args, iters=iters, reduce=min)
+    t_hi = time_call(looped(hi), *args, iters=iters, reduce=min)
+    return max(t_hi - t_lo, 1e-9) / (hi - lo)
+
+
 def _best(fn, *args):
     return time_call(fn, *args, iters=5, reduce=min)
 
