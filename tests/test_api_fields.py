@@ -50,9 +50,7 @@ NOT_NEUTRAL = {
     "suffix": "x", "prompt_embeds": "AAAA",
     "use_beam_search": True, "length_penalty": 0.5,
     "spaces_between_special_tokens": False,
-    "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
-    "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"regex": "a"},
+    "guided_whitespace_pattern": " ", "structural_tag": "{}",
     "priority": 1, "logits_processors": ["m.P"], "cache_salt": "salt",
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
     "functions": [{"name": "f"}], "function_call": "auto",
@@ -188,14 +186,14 @@ def client(tiny_path):
 
 def test_server_refuses_with_openai_error(client):
     """Through the openai client: a refused field and an unknown one are 400s naming them."""
-    for extra, param in (({"min_p": 1.5}, "min_p"), ({"guided_regex": "a"}, "guided_regex"),
+    for extra, param in (({"min_p": 1.5}, "min_p"), ({"guided_regex": "a("}, "guided_regex"),
                          ({"frobnicate": 1}, "frobnicate")):
         with pytest.raises(openai.BadRequestError) as ei:
             client.completions.create(model=NAME, prompt="hi", max_tokens=2, extra_body=extra)
         assert ei.value.body["param"] == param and ei.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                       response_format={"type": "json_object"})
+                                       response_format={"type": "json_schema"})
     assert ei.value.body["param"] == "response_format"
 
 

@@ -149,3 +149,120 @@ def test_engine_outputs_are_valid(tiny_path):
             assert valid(c, s.text), (c.kind, s.text)
     eng.async_scheduling = True
     assert runs[0] == runs[1]
+
+
+# ----- through the server ----------------------------------------------------------------------------
+
+NAME = "tiny-structured"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_path):
+    import openai
+    from moejax.server.app import ServerThread
+    model = moejax.load(tiny_path, dtype="float32", max_model_len=256, max_num_seqs=8, progress=False)
+    srv = ServerThread(model, model_name=NAME).start()
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    srv.stop()
+
+
+NO_WS = {"disable_any_whitespace": True}
+# (request fields, the constraint they mean, how they sample): vLLM's spellings of each kind. On a random
+# model, free whitespace (vLLM's default) can keep a greedy answer in whitespace up to max_tokens: those forms
+# run sampled only. A JSON object (nothing bounds its strings and numbers) can run as long: its own test below.
+BOTH, SAMPLED = (0.0, 1.0), (1.0,)
+FORMS = [
+    ({"structured_outputs": {"json": PERSON, **NO_WS}}, CONSTRAINTS[0], BOTH),
+    ({"structured_outputs": {"regex": REGEX}}, CONSTRAINTS[2], BOTH),
+    ({"structured_outputs": {"choice": CHOICES}}, CONSTRAINTS[3], BOTH),
+    ({"structured_outputs": {"grammar": GRAMMAR}}, CONSTRAINTS[4], BOTH),
+    ({"guided_regex": REGEX}, CONSTRAINTS[2], BOTH),
+    ({"guided_choice": CHOICES}, CONSTRAINTS[3], BOTH),
+    ({"guided_grammar": GRAMMAR, "guided_decoding_backend": "xgrammar"}, CONSTRAINTS[4], BOTH),
+    ({"guided_json": json.dumps(PERSON)}, CONSTRAINTS[0], SAMPLED),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}},
+     CONSTRAINTS[0], SAMPLED),
+]
+
+
+def test_200_requests_all_valid(client):
+    """200 structured-output requests (every form above, completions and chat, greedy and seeded sampling, 8 at a
+    time): each answer ends by the model's stop and satisfies its constraint; streamed answers too."""
+    import concurrent.futures
+    jobs = []
+    for i in range(200):
+        fields, c, temps = FORMS[i % len(FORMS)]
+        jobs.append((i, fields, c, temps[(i // len(FORMS)) % len(temps)]))
+
+    def one(job):
+        i, fields, c, temp = job
+        kw = dict(model=NAME, max_tokens=200, temperature=temp, seed=i, extra_body=dict(fields))
+        if i % 3 == 0:  # completions (response_format in the body: the client's completions take no such argument)
+            r = client.completions.create(prompt=f"answer {i}:", **kw)
+            return job, r.choices[0].text, r.choices[0].finish_reason
+        if i % 7 == 1:
+            chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": f"q{i}"}], stream=True,
+                                                         **kw))
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            return job, text, [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+        if "response_format" in fields:  # the client's own argument
+            kw["response_format"] = kw["extra_body"].pop("response_format")
+        r = client.chat.completions.create(messages=[{"role": "user", "content": f"q{i}"}], **kw)
+        return job, r.choices[0].message.content, r.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, jobs))
+    bad = [(job[0], job[1], job[3], text[:100], fin) for job, text, fin in results
+           if fin != "stop" or not valid(job[2], text)]
+    assert not bad, "\n".join(map(repr, bad))
+    assert len({text for _, text, _ in results}) > 20  # the answers vary (not one string the mask forces)
+
+
+def test_json_object_answers(client):
+    """A JSON object (response_format json_object, structured_outputs json_object): every answer that ends is
+    one (a random model may also run to max_tokens inside a long string or number: finish_reason length)."""
+    ended = 0
+    for i in range(12):
+        kw = dict(model=NAME, messages=[{"role": "user", "content": f"o{i}"}], max_tokens=120, seed=i,
+                  temperature=float(i % 2))
+        if i < 6:
+            r = client.chat.completions.create(response_format={"type": "json_object"}, **kw)
+        else:
+            r = client.chat.completions.create(extra_body={"structured_outputs": {"json_object": True, **NO_WS}}, **kw)
+        ch = r.choices[0]
+        assert ch.finish_reason in ("stop", "length")
+        if ch.finish_reason == "stop":
+            ended += 1
+            assert isinstance(json.loads(ch.message.content), dict), ch.message.content
+        else:
+            assert ch.message.content.startswith("{")
+    assert ended >= 3
+
+
+def test_structured_request_errors(client, tok, monkeypatch):
+    """Bad constraints and the fields that cannot go with one are 400s naming the field; without xgrammar the
+    request is a 400 saying how to install it."""
+    import openai
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [({"guided_regex": "a("}, "guided_regex"), ({"structured_outputs": {"regex": "a", "choice": ["b"]}},
+                                                         "structured_outputs"),
+             ({"structured_outputs": {"regex": "a", "odd": 1}}, "structured_outputs"),
+             ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+             ({"guided_json": {"type": "frob"}}, "guided_json"), ({"guided_choice": []}, "guided_choice"),
+             ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
+             ({"guided_regex": "a", "min_tokens": 3}, "min_tokens"),
+             ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
+             ({"response_format": {"type": "json_schema"}}, "response_format"),
+             ({"guided_whitespace_pattern": " ", "guided_regex": "a"}, "guided_whitespace_pattern")]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.chat.completions.create(model=NAME, messages=msgs, max_tokens=4, extra_body=extra)
+        assert ei.value.body["param"] == param, (extra, ei.value.body)
+    from moejax.server.protocol import APIError, ServingContext, parse_request
+    ctx = ServingContext((NAME,), Tokenizer.__new__(type(tok)), 256, VOCAB)  # a tokenizer not compiled for yet
+    ctx.tokenizer.__dict__.update(tok.__dict__)
+    monkeypatch.setitem(__import__("sys").modules, "xgrammar", None)  # as if not installed
+    with pytest.raises(APIError) as ei:
+        parse_request(json.dumps({"prompt": "x", "guided_regex": "a"}).encode(), ctx, False)
+    assert ei.value.param == "guided_regex" and "pip install 'moejax[structured]'" in ei.value.message
+    assert parse_request(json.dumps({"prompt": "x"}).encode(), ctx, False).params.structured_outputs is None

@@ -17,6 +17,7 @@ from moejax.engine.sampling_params import SamplingParams
 from moejax.json_file import load_json_file
 from moejax.server import schemas
 from moejax.server.chat_output import ChatOutput, OutputParsing
+from moejax.structured_output import Constraint, grammars_for
 
 class APIError(Exception):
     """Becomes {"error": {"message", "type", "param", "code"}} with HTTP `status`."""
@@ -252,6 +253,7 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         top_logprobs=top_n,
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
         skip_special_tokens=body.skip_special_tokens is not False,
+        structured_outputs=_constraint(body, ctx),
         **_controls(body, ctx),
     )
     try:
@@ -297,6 +299,64 @@ def _output_parsing(body, ctx: ServingContext) -> OutputParsing | None:
     return OutputParsing(ctx.reasoning_parser, ctx.tool_parser if choice == "auto" else None,
                          tuple(t.model_dump(exclude_none=True) for t in tools or ()),
                          body.include_reasoning is not False, body.parallel_tool_calls is not False)
+
+
+# vLLM's structured-output fields: one of them at a time (a response_format of type text is none)
+_STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar")
+
+
+def _constraint(body, ctx: ServingContext) -> Constraint | None:
+    """The request's structured output, compiled here (the engine finds it compiled) so that a bad one, or
+    xgrammar missing, is a 400 naming its field."""
+    given = [k for k in _STRUCTURED if getattr(body, k) is not None
+             and not (k == "response_format" and body.response_format.type == "text")]
+    if not given:
+        return None
+    key = given[0]
+    if len(given) > 1:
+        raise APIError(f"only one structured output may be given; got {', '.join(given)}", param=given[1])
+    if ctx.reasoning_parser is not None:
+        raise APIError(f"'{key}' with --reasoning-parser is not supported yet (the grammar would hold the "
+                       "thinking too); it is refused rather than ignored", param=key)
+    for name in ("ignore_eos", "min_tokens"):  # structured_output.check_request's rule, with the right param
+        if getattr(body, name):
+            raise APIError(f"'{name}' cannot go with '{key}': a structured output ends with EOS once its grammar "
+                           "is complete", param=name)
+    try:
+        c = _constraint_of(key, getattr(body, key))
+        grammars_for(ctx.tokenizer, ctx.vocab_size).compile(c)
+    except ValueError as e:
+        raise APIError(f"'{key}': {e}", param=key) from None
+    return c
+
+
+def _constraint_of(key: str, v) -> Constraint:
+    def schema(s):
+        return s if isinstance(s, str) else json.dumps(s)
+    if key == "response_format":
+        if v.type == "json_object":
+            return Constraint("json_object")
+        if v.json_schema is None:
+            raise ValueError("type json_schema needs 'json_schema': {\"name\": ..., \"schema\": {...}}")
+        return Constraint("json", json.dumps(v.json_schema.schema_))
+    if key == "structured_outputs":
+        kinds = {"json": v.json_, "regex": v.regex, "choice": v.choice, "grammar": v.grammar,
+                 "json_object": v.json_object or None}
+        chosen = [k for k, x in kinds.items() if x is not None]
+        if len(chosen) != 1:
+            raise ValueError(f"exactly one of json, regex, choice, grammar, json_object (true) is needed; got "
+                             f"{chosen or 'none'}")
+        k, ws = chosen[0], not v.disable_any_whitespace
+        if k == "choice":
+            return Constraint.choice(v.choice)
+        return Constraint(k, "" if k == "json_object" else schema(kinds[k]) if k == "json" else kinds[k],
+                          any_whitespace=ws)
+    if key == "guided_json":
+        return Constraint("json", schema(v))
+    if key == "guided_choice":
+        return Constraint.choice(v)
+    return Constraint("regex" if key == "guided_regex" else "grammar", v)
 
 
 def _controls(body, ctx: ServingContext) -> dict:

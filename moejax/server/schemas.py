@@ -37,6 +37,28 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # usage in every chunk too
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None  # OpenAI's label of the schema (no effect on the output)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the output always matches the schema here (the grammar holds it)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Body):
+    """vLLM's structured_outputs: exactly one constraint."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's)
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _Sampling(_Body):
     model: str | None = None
     max_tokens: Count | None = None
@@ -74,15 +96,16 @@ class _Sampling(_Body):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: Any = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # vLLM's
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
+    # structured outputs, one of them at a time (protocol.py -> moejax/structured_output.py)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None  # xgrammar: the one backend here
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
-    structured_outputs: Any = None
+    structured_outputs: StructuredOutputsParams | None = None
     priority: Any = None
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     logits_processors: Any = None
@@ -200,6 +223,10 @@ HONOURED = {
     "tools": "chat template; parsed from the answer with --tool-call-parser (chat_output.py)",
     "tool_choice": "none: not parsed; auto: --enable-auto-tool-choice's parser", "parallel_tool_calls": "false: the first call only",
     "include_reasoning": "false: reasoning_content left out (--reasoning-parser)",
+    "response_format": "json_object / json_schema: structured outputs (moejax/structured_output.py)",
+    "structured_outputs": "json / regex / choice / grammar / json_object (moejax/structured_output.py)",
+    "guided_json": "structured outputs", "guided_regex": "structured outputs", "guided_choice": "structured outputs",
+    "guided_grammar": "structured outputs", "guided_decoding_backend": "xgrammar, the one backend",
     "presence_penalty": "sampler (controls)", "frequency_penalty": "sampler (controls)",
     "repetition_penalty": "sampler (controls)", "logit_bias": "sampler (controls)",
     "min_tokens": "sampler's mask of EOS and stop_token_ids", "min_p": "sampler (controls)",
@@ -211,9 +238,7 @@ NEUTRAL_ONLY = {
     "suffix": None, "prompt_embeds": None,
     "use_beam_search": False, "length_penalty": 1,
     "spaces_between_special_tokens": True,
-    "response_format": {"type": "text"}, "guided_json": None, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
-    "structural_tag": None, "structured_outputs": None, "priority": 0,
+    "guided_whitespace_pattern": None, "structural_tag": None, "priority": 0,
     "logits_processors": None, "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None,
     "functions": None, "function_call": None,
     "reasoning_effort": None, "continue_final_message": False,
