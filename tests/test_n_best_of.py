@@ -37,7 +37,8 @@ def model(path):
 
 def _cumulative(model, prompt, out):
     """The reference cumulative logprob of ``out`` after ``prompt``: float64 log-softmax of the logits."""
-    lsm = log_softmax(model.score([prompt + out])[0, len(prompt) - 1:-1])
+    ids = prompt + out  # padded at the end to one length (one score program; causal: nothing before it changes)
+    lsm = log_softmax(model.score([ids + [0] * (64 - len(ids))])[0, len(prompt) - 1:len(ids) - 1])
     return float(lsm[np.arange(len(out)), out].sum())
 
 
