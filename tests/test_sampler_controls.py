@@ -208,9 +208,13 @@ def test_prepare_refuses_what_the_sampler_cannot_take():
 # ----- end to end, greedy through the tiny model ---------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = make_random_checkpoint(str(tmp_path_factory.mktemp("tiny")), preset("v3-tiny"), seed=13, std=0.1)
-    return moejax.load(path, dtype="float32", max_model_len=64, max_num_seqs=4, progress=False)
+def tiny_path(tmp_path_factory):
+    return make_random_checkpoint(str(tmp_path_factory.mktemp("tiny")), preset("v3-tiny"), seed=13, std=0.1)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path):
+    return moejax.load(tiny_path, dtype="float32", max_model_len=64, max_num_seqs=4, progress=False)
 
 
 def _run(model, prompts, params):
@@ -285,3 +289,33 @@ def test_generate_takes_the_controls(model):
                       (dict(logit_bias={1: 500}), "logit_bias")):
         with pytest.raises(ValueError, match=field):
             moejax.generate(model, [[5, 6, 7]], max_new_tokens=4, **kw)
+
+
+def test_penalties_survive_preemption_and_rebuilt_rows(model, tiny_path):
+    """A cache too small for every sequence at once preempts and recomputes some (their history rows kept);
+    then every row's bookkeeping is dropped mid-run, so each is rebuilt from the host's tokens: the tokens
+    equal the unconstrained run's (the async loop's; this one synchronous)."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(4, 300, size=int(rng.integers(8, 20))).tolist() for _ in range(6)]
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True, presence_penalty=float(rng.uniform(0, 2)),
+                             frequency_penalty=float(rng.uniform(0, 2)), repetition_penalty=float(rng.uniform(1, 2)),
+                             bad_words=["ab cd"] if i % 2 else []) for i in range(6)]
+    want = _run(model, prompts, params)
+    small = moejax.load(tiny_path, dtype="float32", max_model_len=64, max_num_seqs=4, progress=False, block_size=8,
+                        num_kv_blocks=10, async_scheduling=False)
+    eng, controls, loads = small.engine, small.engine.runner.controls, []
+    load = controls.load
+    controls.load = lambda history, row, *a: loads.append(int(row.max())) or load(history, row, *a)
+    seqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    steps = 0
+    while any(not s.is_finished for s in seqs):
+        eng.step()
+        steps += 1
+        if steps == 12:  # the device rows are stale from here for the host: each is rebuilt when next sampled
+            built = len(loads)
+            controls.rows = HistoryRows(1, controls.rows.num_rows)
+    assert eng.scheduler.num_preemptions > 0
+    assert [s.output_ids for s in seqs] == want
+    assert len(loads) > built >= 4
