@@ -204,3 +204,23 @@ def test_chat_echo_refused(server):
     status, err = _post(server, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "a"}],
                                                          "echo": True})
     assert status == 400 and err["error"]["param"] == "echo", err
+
+
+def test_prompt_logprobs_over_dp_ranks(model, hf_tiny):
+    """On a dp2-ep2 mesh (each rank its own prompts, the loop inside shard_map): HF's prompt logprobs and
+    top k for three prompts spread over the two ranks."""
+    mesh_model = moejax.load(hf_tiny[0], dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4, progress=False,
+                             parallel="dp2-ep2")
+    rng = np.random.default_rng()
+    V = model.config.model.vocab_size
+    prompts = [rng.integers(2, V, size=int(n)).tolist() for n in rng.integers(2, 40, size=3)]
+    eng = mesh_model.engine
+    seqs = [eng.add_request(p, moejax.SamplingParams(max_new_tokens=1, prompt_logprobs=4)) for p in prompts]
+    eng.run_to_completion(seqs)
+    assert {s.dp_rank for s in seqs} == {0, 1}
+    for p, s in zip(prompts, seqs):
+        lsm = _ref(hf_tiny[1], p)
+        assert len(s.prompt_logprobs) == len(p) - 1
+        for pos, e in enumerate(s.prompt_logprobs):
+            np.testing.assert_allclose(e.logprob, lsm[pos, p[pos + 1]], atol=1e-4)
+            assert_top_logprobs(e.top, lsm[pos], 4)
