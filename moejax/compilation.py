@@ -65,29 +65,56 @@ def _cpu_only() -> bool:
 _enabled_dir: str | None = None
 
 
+def _apply(enabled: bool, d: str | None) -> None:
+    """JAX decides once whether its cache is used (on the first compile) and keeps that answer: a change
+    takes effect only through a reset (public API)."""
+    if (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir) != (enabled, d):
+        jax_compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    if d is not None:
+        jax.config.update("jax_compilation_cache_dir", d)
+
+
 def enable_persistent_cache(path: str | None = None) -> str | None:
     """Points JAX's persistent compilation cache at ``resolve_cache_dir(path)`` (every program, however
     fast it compiled); returns the directory, or None when disabled. Call before the first compile."""
     global _enabled_dir
     d = resolve_cache_dir(path)
     if d is None:
-        jax.config.update("jax_enable_compilation_cache", False)
+        _apply(False, jax.config.jax_compilation_cache_dir)
         _enabled_dir = None
         return None
     try:
         os.makedirs(d, exist_ok=True)
     except OSError as e:
         raise ValueError(f"compilation_cache_dir {d!r} cannot be created: {e}") from None
-    if jax.config.jax_compilation_cache_dir not in (None, "", d):
-        # JAX opens its cache once: a new directory in the same process takes a reset (public API).
-        jax_compilation_cache.reset_cache()
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", d)
+    _apply(True, d)
     # JAX's defaults skip programs that compiled in under a second: a restart should compile nothing.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _enabled_dir = d
     return d
+
+
+def keeps_object_code() -> bool:
+    """Whether an executable JAX's persistent cache hands back can be serialized again whole. Not on
+    XLA:CPU: an executable loaded from its serialized form keeps no object files or compiled-symbol list,
+    so serialized again it holds no code and, loaded, fails at run time ("Function ... not found";
+    moejax/executable_check.py refuses such an entry). The executable cache turns JAX's cache off there
+    (``exclusive_of_executable_cache``)."""
+    return not _cpu_only()
+
+
+def exclusive_of_executable_cache() -> bool:
+    """Turns JAX's persistent cache off for this process where its hits could not be kept by the executable
+    cache (``keeps_object_code``); True if it was on."""
+    global _enabled_dir
+    if keeps_object_code() or not jax.config.jax_enable_compilation_cache \
+            or not jax.config.jax_compilation_cache_dir:
+        return False
+    _apply(False, jax.config.jax_compilation_cache_dir)
+    _enabled_dir = None
+    return True
 
 
 def cache_dir() -> str | None:

@@ -13,6 +13,10 @@ without running any Python trace.
   a sampler). A key that changed is rebuilt, with an INFO line naming the fields that changed.
 - An entry that is truncated, corrupt, written for another label ("foreign") or that fails to load is
   rebuilt with a WARNING, never run.
+- On CPU an executable is kept only if its serialized form is complete (moejax/executable_check.py: XLA:CPU
+  can lose a part of a program in it, which would fail at run time once loaded), and checked again when
+  loaded; one that is not is refused with a WARNING (kept in memory for this process, built again at the
+  next start).
 - Entries are written atomically (a temporary file, then a rename): a process killed mid-write leaves
   the old entry or none.
 
@@ -32,6 +36,8 @@ import tempfile
 import jax
 import jaxlib
 from jax.experimental import serialize_executable
+
+from moejax import executable_check
 
 ENV_VAR = "MOEJAX_EXECUTABLE_CACHE_DIR"
 OFF = ("", "off", "none", "0", "false")
@@ -120,6 +126,7 @@ class ExecutableCache:
         self.env = environment_key()
         self.loaded = 0  # executables loaded in this process (tests and the start-up line read it)
         self.stored = 0
+        self.refused = 0  # executables not kept: their serialized form would not run (``_unsafe``)
 
     @classmethod
     def open(cls, path: str | None = None) -> "ExecutableCache | None":
@@ -185,6 +192,9 @@ class ExecutableCache:
         header, payload = entry
         try:
             serialized, in_tree, out_tree = pickle.loads(payload)
+            if (problem := self._unsafe(serialized)) is not None:
+                log.warning("executable cache: the entry for %s is unsafe to run: %s; rebuilding it", label, problem)
+                return None
             by_id = {d.id: d for d in jax.devices()}
             # The devices it was compiled for, in their order (by default it would load on every device).
             devices = [by_id[i] for i in header["devices"]]
@@ -197,11 +207,23 @@ class ExecutableCache:
         self.loaded += 1
         return compiled, signature_from_json(header["signature"])
 
-    def store(self, label: str, depends: dict, compiled, sig: tuple) -> None:
-        payload = pickle.dumps(serialize_executable.serialize(compiled))
+    def _unsafe(self, serialized: bytes) -> str | None:
+        """Why a serialized executable must not be kept or run, or None: on CPU, moejax/executable_check.py."""
+        return executable_check.cpu_problem(serialized) if self.env["platform"] == "cpu" else None
+
+    def store(self, label: str, depends: dict, compiled, sig: tuple) -> bool:
+        """Keeps ``compiled`` under ``label``; False (with a WARNING saying why) if its serialized form would
+        not run once loaded."""
+        serialized = serialize_executable.serialize(compiled)
+        if (problem := self._unsafe(serialized[0])) is not None:
+            log.warning("executable cache: not keeping %s: %s; it runs in this process and is built again at the "
+                        "next start", label, problem)
+            self.refused += 1
+            return False
         devices = [d.id for d in compiled.runtime_executable().local_devices()]
-        self._write(label, depends, payload, signature=_jsonable(sig), devices=devices)
+        self._write(label, depends, pickle.dumps(serialized), signature=_jsonable(sig), devices=devices)
         self.stored += 1
+        return True
 
     # ----- the set's manifest: its labels, so a restart knows the set without tracing it
     def load_manifest(self, depends: dict) -> list[dict] | None:

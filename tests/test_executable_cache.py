@@ -1,15 +1,21 @@
 """The executable cache (moejax/executable_cache.py, engine/executable_set.py): a restart on the kept
 executables traces and compiles nothing and serves the same tokens; a changed key rebuilds what depends
-on it (and only that); a truncated or foreign entry is rebuilt with a warning, never run."""
+on it (and only that); a truncated or foreign entry is rebuilt with a warning, never run; a CPU executable
+whose serialized form lacks its code (one JAX's persistent cache handed back) is never kept or run."""
 
 import glob
 import logging
 import os
+import pickle
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.experimental import serialize_executable
 
 import moejax
-from moejax import compilation, executable_cache
+from moejax import compilation, executable_cache, executable_check
 from moejax.engine import executable_set
 from moejax.engine.sampling_params import SamplingParams
 from tests import test_precompile
@@ -75,8 +81,6 @@ def test_a_changed_key_rebuilds_what_depends_on_it(ckpt, cache_dir, caplog):
     assert not any(f"rebuilding {lb}:" in r.message for lb in kept for r in caplog.records)
 
 
-@pytest.mark.xfail(reason="known bug, open (issue 42): a deserialized CPU executable can fail to run, "
-                   "'Function broadcast.NN_kernel not found' (seed 1837776939 / 3434467852); the cache is off by default", strict=False)
 def test_a_truncated_or_foreign_entry_is_rebuilt_with_a_warning(ckpt, cache_dir, caplog):
     _, out, _, _ = start(ckpt)
     files = sorted(glob.glob(os.path.join(cache_dir, "*.exe")), key=os.path.getsize)
@@ -110,8 +114,6 @@ def test_environment_change_names_the_field(tmp_path, caplog, monkeypatch):
     assert cache._read("x", {"a": 2}) is None
 
 
-@pytest.mark.xfail(reason="known bug, open (issue 42): a deserialized CPU executable can fail to run, "
-                   "'Function broadcast.NN_kernel not found' (seed 1837776939 / 3434467852); the cache is off by default", strict=False)
 def test_mixed_workload_after_a_cached_restart_compiles_nothing(tiny_path, monkeypatch, tmp_path):
     """test_precompile's mixed workload (streams, sampling modes, chunked prefills, prefix hits, the
     cache-row handoff), served by a server whose whole set came from the executable cache."""
@@ -122,3 +124,100 @@ def test_mixed_workload_after_a_cached_restart_compiles_nothing(tiny_path, monke
     monkeypatch.setattr(executable_set, "load_set", lambda *a: loaded.append(real(*a)) or loaded[-1])
     test_precompile.test_precompiled_server_and_handoff_never_compile(tiny_path)
     assert loaded and loaded[0] > 0  # the server's start loaded the set
+
+
+def _f(x, y):
+    return jnp.tanh(x) * 3 + y.sum(), jnp.sort(y)
+
+
+def _compiled_via_jax_cache(tmp_path, x, y):
+    """``_f`` compiled fresh, then handed back by JAX's persistent cache (a hit), with the process's
+    compilation-cache state restored after."""
+    before = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
+    try:
+        compilation.enable_persistent_cache(str(tmp_path / "jax"))
+        fresh = jax.jit(_f).lower(x, y).compile()
+        jax.clear_caches()
+        hits = compilation.COUNTER.cache_hits
+        hit = jax.jit(_f).lower(x, y).compile()
+        assert compilation.COUNTER.cache_hits == hits + 1
+    finally:
+        compilation.enable_persistent_cache(before[1] if before[0] and before[1] else "off")
+    return fresh, hit
+
+
+def _raw_fields(b: bytes) -> list[tuple[int, bytes, bytes]]:
+    """A protobuf message's fields as (number, value, its encoding as found)."""
+    out, i = [], 0
+    while i < len(b):
+        start = i
+        key, i = executable_check._varint(b, i)
+        wire = key & 7
+        if wire == 2:
+            n, i = executable_check._varint(b, i)
+            value, i = b[i:i + n], i + n
+        elif wire == 0:
+            _, i = executable_check._varint(b, i)
+            value = b""
+        else:
+            i += 8 if wire == 1 else 4
+            value = b""
+        out.append((key >> 3, value, b[start:i]))
+    return out
+
+
+def _without_an_object_file(exe: bytes) -> bytes:
+    """A serialized XLA:CPU executable with its last object file dropped from its CompilationResultProto (what
+    a lost part leaves), re-encoded."""
+    n, i = executable_check._varint(exe, 0)
+    outer = _raw_fields(exe[i + n:])
+    inner = _raw_fields(next(v for f, v, _ in outer if f == 1))
+    last = max(k for k, (f, _, _) in enumerate(inner) if f == 8)
+    result = b"".join(raw for k, (_, _, raw) in enumerate(inner) if k != last)
+    head = bytes([(1 << 3) | 2]) + _varint(len(result))
+    return exe[:i + n] + b"".join(head + result if f == 1 else raw for f, _, raw in outer)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def test_a_cpu_executable_without_its_code_is_never_kept_or_run(tmp_path, caplog):
+    """The bug behind 'Function broadcast.NN_kernel not found': an executable JAX's persistent cache handed back
+    serializes without its object code; loaded, it fails at run time. The cache refuses it with a warning
+    (and an entry of it on disk is rebuilt, never run); a freshly compiled one is kept and runs."""
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal((8, 8)).astype(np.float32), rng.standard_normal((64,)).astype(np.float32)
+    want = (np.tanh(x.astype(np.float64)) * 3 + y.astype(np.float64).sum(), np.sort(y))
+    fresh, hit = _compiled_via_jax_cache(tmp_path, x, y)
+    broken = serialize_executable.serialize(hit)
+    assert executable_check.cpu_problem(broken[0]) is not None
+    with pytest.raises(Exception, match="not found"):  # what such an entry did once loaded
+        serialize_executable.deserialize_and_load(*broken, execution_devices=jax.devices()[:1])(x, y)
+    whole = serialize_executable.serialize(fresh)[0]
+    assert executable_check.cpu_problem(whole) is None
+    exe = executable_check.serialized_executables(whole)[0]
+    assert executable_check.missing_functions(exe) == [] and executable_check.missing_functions(_without_an_object_file(exe))
+
+    cache = executable_cache.ExecutableCache(str(tmp_path / "ex"))
+    sig = executable_cache.signature((x, y))
+    with caplog.at_level(logging.WARNING, logger="moejax.precompile"):
+        assert not cache.store("f", {}, hit, sig)
+    assert any("not keeping f" in r.message for r in caplog.records) and cache.refused == 1
+    assert not glob.glob(os.path.join(cache.dir, "*.exe"))
+    # An entry of it written by an older moejax (no check on store) is rebuilt, never run.
+    cache._write("f", {}, pickle.dumps(broken), signature=list(sig), devices=[jax.devices()[0].id])
+    with caplog.at_level(logging.WARNING, logger="moejax.precompile"):
+        assert cache.load("f", {}) is None
+    assert any("unsafe to run" in r.message for r in caplog.records)
+    assert cache.store("f", {}, fresh, sig)
+    compiled, got_sig = cache.load("f", {})
+    assert got_sig == sig
+    out = compiled(x, y)
+    np.testing.assert_allclose(np.asarray(out[0], np.float64), want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out[1]), want[1])

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from moejax.kernels import decode_tables
 from moejax.config import EngineConfig
+from moejax import compilation
 from moejax.executable_cache import ExecutableCache, PrecompiledFunction
 from moejax.engine import executable_set
 from moejax.engine import prompt_logprobs
@@ -404,6 +405,9 @@ class ModelRunner:
         cpu = jax.default_backend() == "cpu"
         threads = threads or int(os.environ.get("MOEJAX_COMPILE_THREADS") or (1 if cpu else min(8, os.cpu_count() or 1)))
         cache = ExecutableCache.open()  # $MOEJAX_EXECUTABLE_CACHE_DIR (moejax/executable_cache.py)
+        if cache is not None and compilation.exclusive_of_executable_cache():
+            log.info("JAX's persistent compilation cache is off in this process: its executables could not be kept "
+                     "by the executable cache here (moejax/compilation.py keeps_object_code)")
         if cache is not None and (n := executable_set.load_set(self, cache)):  # the whole set: nothing traced
             self.precompiled = True
             return {"programs": n, "seconds": time.perf_counter() - t0, "loaded": n}
