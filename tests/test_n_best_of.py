@@ -165,3 +165,22 @@ def test_server_bad_n_400(server, extra, param):
         urllib.request.urlopen(req, timeout=60)
     err = json.loads(ei.value.read())["error"]
     assert ei.value.code == 400 and err["param"] == param and err["type"] == "invalid_request_error", err
+
+
+def test_engine_without_cumulative_or_prompt_logprobs_refused(path):
+    """An engine whose sequences bring no cumulative logprob (best_of) or no prompt logprobs (echo, the
+    prompt_logprobs field), as a disaggregated router's: a 400 naming the field, never a silent pick."""
+    from moejax.server.protocol import APIError, Output, ServingContext, parse_request, sample_outputs
+    from moejax.tokenizer import Tokenizer
+    ctx = ServingContext((NAME,), Tokenizer(path), 128, 260)
+
+    def req(**body):
+        return parse_request(json.dumps({"prompt": "ab", "max_tokens": 1, **body}).encode(), ctx, False)
+    bare = Output("x", [5], [-1.0], [None], "length")
+    assert sample_outputs(req(n=2), [bare, bare]) == [bare, bare]
+    for body, param in (({"best_of": 2}, "best_of"), ({"echo": True, "logprobs": 1}, "echo"),
+                        ({"prompt_logprobs": 2}, "prompt_logprobs")):
+        r = req(**body)
+        with pytest.raises(APIError) as ei:
+            sample_outputs(r, [bare] * r.best_of)
+        assert ei.value.status == 400 and ei.value.param == param
