@@ -64,7 +64,7 @@ def streamed(spec: OutputParsing, text: str, cuts) -> tuple[dict, list[dict]]:
     if spec.reasoning is not None:
         msg["reasoning_content"] = ("".join(d.get("reasoning_content", "") for d in deltas)
                                     if spec.include_reasoning else None)
-    if spec.tools is not None:
+    if spec.tools is not None or spec.forced is not None:
         calls: dict[int, dict] = {}
         for d in deltas:
             for c in d.get("tool_calls", []):
@@ -279,16 +279,61 @@ def test_tool_choice_auto_parses(tiny_path):
 def test_refused_tool_forms(tiny_path):
     ctx = _ctx(tiny_path, **AUTO)
     assert _refused(ctx, tool_choice="auto").param == "tool_choice"  # no tools
-    assert _refused(ctx, tool_choice="required", tools=TOOLS).param == "tool_choice"
-    assert _refused(ctx, tool_choice={"type": "function", "function": {"name": "now"}}, tools=TOOLS).param == \
+    assert _refused(ctx, tool_choice={"type": "function", "function": {"name": "nope"}}, tools=TOOLS).param == \
         "tool_choice"
     strict = [{"type": "function", "function": {"name": "f", "strict": True}}]
-    assert _refused(ctx, tools=strict).param == "tools"
+    assert _refused(ctx, tools=strict).param == "tools"  # "auto": no grammar holds the call to its schema
     assert _refused(ctx, tools=[{"type": "function", "function": {"name": "f", "odd": 1}}]).param == "tools"
     assert _refused(ctx, tools=[{"type": "retrieval", "function": {"name": "f"}}]).param == "tools"
     assert _refused(ctx, tool_choice="sometimes", tools=TOOLS).param == "tool_choice"
     assert _refused(_ctx(tiny_path), include_reasoning=False).param == "include_reasoning"
     assert _refused(ctx, chat_template_kwargs={"tools": []}).param == "chat_template_kwargs"
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_forced_tool_choice_is_a_grammar(tiny_path):
+    """A named function or "required" needs no flags: the answer is held to the call by a grammar (vLLM's
+    schemas: the function's parameters; an array of {"name", "parameters"}, one item when parallel_tool_calls is
+    false); "required" with no tools is "none"; another structured output with it, or one with a reasoning
+    parser, is refused."""
+    pytest.importorskip("xgrammar")
+    plain = _ctx(tiny_path)
+    r = _chat(plain, tools=TOOLS, tool_choice=NAMED)
+    assert r.parsing.forced == "get_weather" and r.parsing.tools is None
+    assert json.loads(r.params.structured_outputs.spec) == TOOLS[0]["function"]["parameters"]
+    r = _chat(plain, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(r.params.structured_outputs.spec)
+    assert r.parsing.forced == "required" and schema["maxItems"] == 1 and schema["minItems"] == 1
+    assert [i["properties"]["name"]["enum"] for i in schema["items"]["anyOf"]] == [["get_weather"], ["now"]]
+    strict = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object"}}}]
+    assert _chat(plain, tools=strict, tool_choice={"type": "function", "function": {"name": "f"}}).parsing.forced == "f"
+    r = _chat(plain, tools=[], tool_choice="required")
+    assert r.parsing is None and r.params.structured_outputs is None
+    assert _refused(plain, tools=TOOLS, tool_choice="required", guided_regex="a").param == "guided_regex"
+    assert _refused(_ctx(tiny_path, reasoning_parser=DeepSeekR1ReasoningParser), tools=TOOLS,
+                    tool_choice=NAMED).param == "tool_choice"
+
+
+@pytest.mark.parametrize("text,calls", [
+    ('[{"name": "now", "parameters": {}}]', [call("now", "{}")]),
+    (json.dumps([{"name": "get_weather", "parameters": {"city": 'a\\"}{'}}, {"name": "now", "parameters": {}}]),
+     [call("get_weather", json.dumps({"city": 'a\\"}{'})), call("now", "{}")]),  # braces and escapes in a string
+    ('[{"name": "now", "parameters": {}}, {"name": "get_wea', [call("now", "{}")]),  # cut: the complete ones
+])
+def test_required_answer_parsed(text, calls):
+    check_every_cut(OutputParsing(forced="required"), text, {"role": "assistant", "content": None, "tool_calls": calls},
+                    seed=21)
+
+
+def test_named_answer_is_the_arguments():
+    spec = OutputParsing(forced="now")
+    check_every_cut(spec, '{"a": [1, 2]}', {"role": "assistant", "content": None,
+                                            "tool_calls": [call("now", '{"a": [1, 2]}')]}, seed=22)
+    out = spec.new()
+    assert out.feed("", final=True)["tool_calls"][0]["function"] == {"name": "now", "arguments": ""}
+    assert out.finish_reason("stop") == "stop"  # vLLM's: the call was asked for
 
 
 def test_cli_flags(tiny_path):
@@ -409,3 +454,49 @@ def test_served_tool_call_and_reasoning(servers):
     assert ei.value.body["param"] == "tools" and "--enable-auto-tool-choice" in ei.value.body["message"]
     r = plain.chat.completions.create(**{**kw, "tool_choice": "none"})
     assert r.choices[0].message.content == ANSWER and "reasoning_content" not in r.choices[0].message.model_extra
+
+
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["unit", "n"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                    "additionalProperties": False}}}]
+
+
+def _args_valid(name: str, arguments: str) -> bool:
+    a = json.loads(arguments)
+    if name == "now":
+        return a == {}
+    return set(a) == {"unit", "n"} and a["unit"] in ("c", "f") and type(a["n"]) is int and 0 <= a["n"] <= 9
+
+
+def test_served_forced_tool_choice(servers):
+    """Through the server without the flags: a named function's answer is that call, its arguments valid for its
+    schema (finish_reason stop, as vLLM); "required" gives a call of one of the tools, valid
+    (finish_reason tool_calls; parallel_tool_calls false: exactly one); streamed, the same calls (seeded sampling)."""
+    pytest.importorskip("xgrammar")
+    (_, plain), tok = servers
+    tok.script = {}  # plain decoding here
+    for i in range(6):
+        named = i < 3
+        kw = dict(model=NAME, messages=[{"role": "user", "content": f"unit {i}?"}], tools=FORCED_TOOLS, max_tokens=80,
+                  temperature=1.0, seed=i,
+                  tool_choice={"type": "function", "function": {"name": "set_unit"}} if named else "required",
+                  parallel_tool_calls=False)  # "required": one item (a random model's array may not end)
+        ch = plain.chat.completions.create(**kw).choices[0]
+        assert ch.finish_reason == ("stop" if named else "tool_calls") and ch.message.content is None
+        calls = ch.message.tool_calls
+        assert len(calls) == 1
+        assert all(c.function.name in ("set_unit", "now") and _args_valid(c.function.name, c.function.arguments)
+                   for c in calls), calls
+        if named:
+            assert calls[0].function.name == "set_unit"
+        chunks = list(plain.chat.completions.create(stream=True, **kw))
+        got: dict[int, list[str]] = {}
+        for c in chunks:
+            for t in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                if t.id is not None:
+                    got[t.index] = [t.function.name, ""]
+                got[t.index][1] += t.function.arguments or ""
+        assert [got[k] for k in sorted(got)] == [[c.function.name, c.function.arguments] for c in calls]

@@ -311,6 +311,12 @@ def _constraint(body, ctx: ServingContext) -> Constraint | None:
     xgrammar missing, is a 400 naming its field."""
     given = [k for k in _STRUCTURED if getattr(body, k) is not None
              and not (k == "response_format" and body.response_format.type == "text")]
+    forced = _tool_constraint(body)
+    if forced is not None:
+        if given:
+            raise APIError(f"'{given[0]}' cannot go with a tool_choice that forces a call (that is a grammar too)",
+                           param=given[0])
+        given = ["tool_choice"]
     if not given:
         return None
     key = given[0]
@@ -324,7 +330,7 @@ def _constraint(body, ctx: ServingContext) -> Constraint | None:
             raise APIError(f"'{name}' cannot go with '{key}': a structured output ends with EOS once its grammar "
                            "is complete", param=name)
     try:
-        c = _constraint_of(key, getattr(body, key))
+        c = forced or _constraint_of(key, getattr(body, key))
         grammars_for(ctx.tokenizer, ctx.vocab_size).compile(c)
     except ValueError as e:
         raise APIError(f"'{key}': {e}", param=key) from None
