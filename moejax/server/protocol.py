@@ -271,29 +271,61 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     return _with_samples(req, body, ctx, echo_only)
 
 
+def _tool_choice(body):
+    """The request's tool_choice by vLLM's rules: "auto" when tools are given without one, "none" without
+    tools; "required" with an empty tools list is "none"; a named function must be one of the tools."""
+    tools = getattr(body, "tools", None)
+    choice = getattr(body, "tool_choice", None)
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice == "required" and tools == []:
+        return "none"
+    if choice != "none" and not tools:
+        raise APIError("When using 'tool_choice', 'tools' must be set.", param="tool_choice")
+    if not isinstance(choice, str) and choice.function.name not in {t.function.name for t in tools}:
+        raise APIError(f"tool_choice names {choice.function.name!r}, which is not one of the tools", param="tool_choice")
+    return choice
+
+
+def _tool_constraint(body) -> Constraint | None:
+    """tool_choice "required" or a named function: the grammar that makes the answer the call (vLLM's: a named
+    function's arguments as its parameters' schema; "required": a JSON array of {"name", "parameters"}), with no
+    free whitespace (vLLM allows it): the arguments are read by programs, and a model that rambles in whitespace
+    cannot then run to max_tokens inside the call."""
+    choice = _tool_choice(body)
+    if choice in ("none", "auto"):
+        return None
+    fns = {t.function.name: t.function.parameters or {"type": "object"} for t in body.tools}
+    if choice != "required":
+        return Constraint("json", json.dumps(fns[choice.function.name]), any_whitespace=False)
+    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+              "required": ["name", "parameters"]} for name, params in fns.items()]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if body.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return Constraint("json", json.dumps(schema), any_whitespace=False)
+
+
 def _output_parsing(body, ctx: ServingContext) -> OutputParsing | None:
     """What the chat answer is parsed for, from tools / tool_choice / parallel_tool_calls / include_reasoning and
     the server's parsers (vLLM's rules: tools default tool_choice to "auto", which needs
     --enable-auto-tool-choice and --tool-call-parser); None: the answer is all content."""
     tools = body.tools or None
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
-    if choice != "none" and not tools:
-        raise APIError("When using 'tool_choice', 'tools' must be set.", param="tool_choice")
+    choice = _tool_choice(body)
     param = "tool_choice" if body.tool_choice is not None else "tools"
     if choice == "auto" and not (ctx.enable_auto_tool_choice and ctx.tool_parser is not None):
         raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
                        "(tool_choice \"none\" passes the tools to the chat template only)", param=param)
-    if choice != "none" and choice != "auto":
-        raise APIError(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'!r} is not supported "
-                       "by this server (it needs structured outputs); it is refused rather than ignored",
-                       param="tool_choice")
-    strict = [t.function.name for t in tools or () if t.function.strict]
-    if strict and choice == "auto":
-        raise APIError(f"tools[].function.strict true ({strict[0]!r}): \"auto\" calls are not held to their schema "
-                       "by a grammar here; it is refused rather than ignored", param="tools")
     if body.include_reasoning is False and ctx.reasoning_parser is None:
         raise APIError("'include_reasoning' false needs the server started with --reasoning-parser (without one the "
                        "reasoning is part of the content)", param="include_reasoning")
+    if choice not in ("none", "auto"):  # the grammar (_constraint) makes the answer the call(s)
+        return OutputParsing(forced="required" if choice == "required" else choice.function.name)
+    strict = [t.function.name for t in tools or () if t.function.strict]
+    if strict and choice == "auto":
+        raise APIError(f"tools[].function.strict true ({strict[0]!r}): \"auto\" calls are not held to their schema "
+                       "by a grammar here (a named function or \"required\" is); it is refused rather than ignored",
+                       param="tools")
     if ctx.reasoning_parser is None and choice != "auto":
         return None
     return OutputParsing(ctx.reasoning_parser, ctx.tool_parser if choice == "auto" else None,
