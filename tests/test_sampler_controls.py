@@ -319,3 +319,24 @@ def test_penalties_survive_preemption_and_rebuilt_rows(model, tiny_path):
     assert eng.scheduler.num_preemptions > 0
     assert [s.output_ids for s in seqs] == want
     assert len(loads) > built >= 4
+
+
+def test_speculative_rows_take_the_controls(tmp_path_factory):
+    """A speculative verify samples k + 1 rows a sequence: each takes the sequence's mask and bias, and
+    min_tokens counts the row's own output position (drafts forced, so they are accepted where right):
+    allowed_token_ids [m, s], s biased and a stop token held back until 5 tokens gives m x 5 then s; a
+    penalty is refused (it would depend on the drafts)."""
+    path = make_random_checkpoint(str(tmp_path_factory.mktemp("mtp")), preset("v3-tiny", num_nextn_predict_layers=1),
+                                  seed=5, std=0.1)
+    spec = moejax.load(path, dtype="float32", max_model_len=64, max_num_seqs=4, block_size=8, progress=False,
+                       speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    m, s = 40, 41
+    spec.engine.runner.proposer.draft_override = lambda seq: [m, m]
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    got = _run(spec, prompts, [SamplingParams(max_new_tokens=12, allowed_token_ids=[m, s], logit_bias={s: 50.0},
+                                              min_tokens=5, stop_token_ids=[s]),
+                               SamplingParams(max_new_tokens=6, ignore_eos=True, allowed_token_ids=[m + 2])])
+    assert got == [[m] * 5 + [s], [m + 2] * 6]
+    assert spec.engine.stats.spec_num_accepted_tokens > 0
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        spec.engine.add_request([5, 6], SamplingParams(repetition_penalty=1.2))
