@@ -340,3 +340,25 @@ def test_speculative_rows_take_the_controls(tmp_path_factory):
     assert spec.engine.stats.spec_num_accepted_tokens > 0
     with pytest.raises(ValueError, match="repetition_penalty"):
         spec.engine.add_request([5, 6], SamplingParams(repetition_penalty=1.2))
+
+
+def test_handed_off_sequence_keeps_its_controls(model, tiny_path):
+    """A sequence prefilled by one engine and decoded by another (disaggregation: kv_handoff) keeps its
+    controls there, its history row rebuilt on the decode side: the colocated run's tokens."""
+    from moejax.engine.kv_handoff import add_prefilled, take_prefilled
+    params = [SamplingParams(max_new_tokens=10, ignore_eos=True, frequency_penalty=1.5, bad_words=["ab cd"]),
+              SamplingParams(max_new_tokens=10, ignore_eos=True, allowed_token_ids=[21, 22])]
+    prompts = [[7, 8, 9, 10, 7, 8], [30, 31, 32]]
+    want = _run(model, prompts, params)
+    decode = moejax.load(tiny_path, dtype="float32", max_model_len=64, max_num_seqs=4, progress=False,
+                         block_size=8).engine
+    a = model.engine
+    seqs = [a.add_request(p, sp) for p, sp in zip(prompts, params)]
+    moved = []
+    while len(moved) < len(seqs):
+        for s in a.step()[1]:
+            moved.append(add_prefilled(decode, take_prefilled(a, s)))
+    while any(not s.is_finished for s in moved):
+        decode.step()
+    got = {tuple(s.token_ids[:s.num_prompt_tokens]): s.output_ids for s in moved}
+    assert [got[tuple(p)] for p in prompts] == want

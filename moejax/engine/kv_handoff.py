@@ -40,6 +40,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from moejax.engine import sample_controls
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.sequence import Sequence, Status
 
@@ -162,6 +163,8 @@ def add_prefilled(engine, req: PrefilledRequest) -> Sequence:
         raise RuntimeError("no room: no free KV blocks or sequence slots on this engine now")
     seq = Sequence(req.token_ids, req.params, req.seed, req.request_id)
     seq.num_prompt_tokens = req.num_prompt_tokens
+    seq.controls = sample_controls.prepare(req.params, engine.tokenizer, runner.cfg.vocab_size, engine.eos_token_ids,
+                                           speculative=not engine.proposer.own_decode)  # as add_request's
     seq.logprobs, seq.top_logprobs = list(req.logprobs), list(req.top_logprobs)
 
     def fill(hit: int) -> None:  # blocks for every token (the last one's row comes with its decode step)
