@@ -189,7 +189,6 @@ def _check_vllm_prompt_logprobs(entries, ids, lsm, k, tok):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"echo": True, "stream": True}, "echo"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"),
@@ -198,6 +197,42 @@ def _check_vllm_prompt_logprobs(entries, ids, lsm, k, tok):
 def test_bad_echo_requests_get_400(server, body, param):
     status, err = _post(server, "/v1/completions", {"model": NAME, "prompt": "abc", **body})
     assert status == 400 and err["error"]["param"] == param, err
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_streamed(server, max_tokens):
+    """A streamed echo (n = 2, logprobs 1, greedy): each choice's chunks start with its prompt and add up to
+    the whole response's text and logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
+    body = {"model": NAME, "prompt": "hello world", "echo": True, "logprobs": 1, "max_tokens": max_tokens,
+            "temperature": 0, "n": 2}
+    status, whole = _post(server, "/v1/completions", body)
+    assert status == 200, whole
+    req = urllib.request.Request(server.url + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    got = {i: {"text": "", "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for i in (0, 1)}
+    finish = {}
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r.read().decode().splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk["choices"]:
+                g = got[c["index"]]
+                if not g["text"]:
+                    assert c["text"].startswith("hello world")
+                g["text"] += c["text"]
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    g[k] += (c["logprobs"] or {}).get(k, [])
+                finish[c["index"]] = c["finish_reason"] or finish.get(c["index"])
+    for c in whole["choices"]:
+        g = got[c["index"]]
+        assert g["text"] == c["text"] and finish[c["index"]] == c["finish_reason"]
+        assert g["tokens"] == c["logprobs"]["tokens"] and g["text_offset"] == c["logprobs"]["text_offset"]
+        assert [list(d) if d else d for d in g["top_logprobs"]] == [
+            list(d) if d else d for d in c["logprobs"]["top_logprobs"]]
+        np.testing.assert_allclose([x if x is not None else np.nan for x in g["token_logprobs"]],
+                                   [x if x is not None else np.nan for x in c["logprobs"]["token_logprobs"]], atol=1e-5)
 
 
 def test_chat_echo_refused(server):

@@ -148,7 +148,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
 async def _collect(request, stream, aengine) -> protocol.Output:
     """One sequence's tokens until it finishes (a gone client or a dead engine raise)."""
-    ids, lps, tops = [], [], []
+    ids, lps, tops, prompt_lps = [], [], [], None
     while True:
         ev = await stream.get(POLL_S)
         if ev is None:
@@ -163,11 +163,12 @@ async def _collect(request, stream, aengine) -> protocol.Output:
             ids.append(ev.token_id)
             lps.append(ev.logprob)
             tops.append(ev.top_logprobs)
+        if ev.prompt_logprobs is not None:
+            prompt_lps = ev.prompt_logprobs
         if ev.finish_reason is not None:
             if ev.finish_reason == "abort":
                 raise APIError("the request was aborted", 500, type_="internal_server_error")
-            return protocol.Output(ev.text, ids, lps, tops, ev.finish_reason, ev.cumulative_logprob,
-                                   ev.prompt_logprobs)
+            return protocol.Output(ev.text, ids, lps, tops, ev.finish_reason, ev.cumulative_logprob, prompt_lps)
 
 
 def _response_id(request: web.Request, req: protocol.ParsedRequest) -> str:
@@ -202,6 +203,7 @@ class _StreamChoice:
     stream: object
     detok: protocol.IncrementalText
     parser: object  # reasoning / tool calls out of the deltas (chat_output.py), or None
+    echoed: bool = False  # echo: its prompt's chunk sent
 
     def next(self) -> asyncio.Future:
         return asyncio.ensure_future(self.stream.get(POLL_S))
@@ -220,6 +222,10 @@ async def _stream_body(request, resp, req, streams, aengine, ctx) -> None:
             await resp.write(_sse(protocol.stream_chunk(req, rid, created, None, [], None, None, ctx.tokenizer,
                                                         first=True, completion_tokens=0, index=c.index)))
     waiting = {c.next(): c for c in choices}
+    prompt_lps = None
+    # an echo's completion offsets follow its prompt tokens' strings (the whole response's text_offset rule)
+    echo_offset = sum(len(protocol.token_str(ctx.tokenizer, t, req.tokens_as_ids)) for t in req.prompt_ids) \
+        if req.echo else 0
     try:
         while waiting:
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -244,15 +250,25 @@ async def _stream_body(request, resp, req, streams, aengine, ctx) -> None:
                     return await _end_with_error(resp, ev.error, ev.status)
                 if ev.finish_reason == "abort":
                     return await _end_with_error(resp, "the request was aborted", 500)
-                offset = len(c.detok.sent)
-                toks = [e for e in events if e.token_id is not None]
+                if req.echo and not c.echoed:  # the prompt first; its logprobs came with its first sample's token
+                    c.echoed = True
+                    plp = next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), prompt_lps)
+                    prompt_lps = plp  # the later samples (their prefill came after the first's) have none
+                    if req.params.prompt_logprobs is not None and plp is None:
+                        return await _end_with_error(resp, "prompt logprobs are not served by this server's engine",
+                                                     400)
+                    await resp.write(_sse(protocol.echo_chunk(req, rid, created, ctx.tokenizer, plp, c.index)))
+                offset = len(c.detok.sent) + echo_offset
+                # echo with max_tokens 0: the token the prefill sampled is not part of the answer
+                toks = [] if req.echo_only else [e for e in events if e.token_id is not None]
                 ids, lps, tops = [e.token_id for e in toks], [e.logprob for e in toks], [e.top_logprobs for e in toks]
                 n_out += len(ids)
                 delta = "".join(c.detok.add(t) for t in ids)
-                if ev.finish_reason is not None:
+                if ev.finish_reason is not None and not req.echo_only:
                     delta += c.detok.finish(ev.text)  # the engine's final text: stop strings already cut
+                finish = "length" if req.echo_only and ev.finish_reason else ev.finish_reason  # max_tokens 0
                 chunk = protocol.stream_chunk(req, rid, created, delta, ids, lps if ids else None,
-                                              ev.finish_reason, ctx.tokenizer, text_offset=offset, tops=tops,
+                                              finish, ctx.tokenizer, text_offset=offset, tops=tops,
                                               completion_tokens=n_out, parser=c.parser, index=c.index)
                 await resp.write(_sse(chunk))
                 if ev.finish_reason is None:

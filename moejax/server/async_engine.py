@@ -59,7 +59,7 @@ class TokenEvent:
     status: int = 500  # the HTTP status of that error
     handoff: PrefilledRequest | None = None  # a handoff request's sequence, taken out after this token
     cumulative_logprob: float | None = None  # of the sequence's tokens, on the last event (best_of ranks by it)
-    prompt_logprobs: list | None = None  # on the last event, when asked: engine/prompt_logprobs.PromptLogprob each
+    prompt_logprobs: list | None = None  # on the first event, when asked: engine/prompt_logprobs.PromptLogprob each
 
 
 class RequestStream:
@@ -292,6 +292,8 @@ class AsyncEngine:
                                          top_logprobs=seq.top_logprobs[i] if p.top_logprobs and
                                          len(seq.top_logprobs) > i else None)
                               for i in range(first, first + new)]
+                    if first == 0 and p.prompt_logprobs is not None:  # computed by the prefill that gave this token
+                        events[0].prompt_logprobs = seq.prompt_logprobs
                     stream.num_output += new
                     if stream.first_token_time is None:
                         stream.first_token_time = now
@@ -307,7 +309,6 @@ class AsyncEngine:
                     if seq.is_finished:
                         ev.finish_reason, ev.text = seq.finish_reason, seq.text
                         ev.cumulative_logprob = seq.cumulative_logprob
-                        ev.prompt_logprobs = seq.prompt_logprobs if p.prompt_logprobs is not None else None
                         del self._streams[seq.seq_id]
                         self.metrics.on_finish(seq.finish_reason, now - stream.arrival,
                                                stream.first_token_time - stream.arrival, seq.num_output_tokens)

@@ -439,8 +439,6 @@ def _with_samples(req: ParsedRequest, body, ctx: ServingContext, echo_only: bool
         raise APIError(f"'echo'={body.echo!r}"[:100] + " is not supported on chat completions by this server; it is "
                        "refused rather than ignored", param="echo")
     echo = not req.chat and bool(body.echo)
-    if echo and body.stream:
-        raise APIError("'echo' cannot be streamed by this server (send stream: false)", param="echo")
     k = body.prompt_logprobs
     if k is not None and body.stream:
         raise APIError("'prompt_logprobs' are not available when 'stream' is true (vLLM's rule)",
@@ -667,6 +665,16 @@ def full_response(req: ParsedRequest, rid: str, outputs: list[Output], tokenizer
     if req.chat and req.prompt_logprobs is not None:  # vLLM's chat: beside the choices
         out["prompt_logprobs"] = _vllm_prompt_logprobs(req, tokenizer, outputs[0], 0)
     return out
+
+
+def echo_chunk(req: ParsedRequest, rid: str, created: int, tokenizer, prompt_logprobs, index: int = 0) -> dict:
+    """A streamed echo's first chunk of a choice: its prompt's text and, with logprobs, the prompt tokens'
+    (None first, as in the whole response); the completion's chunks follow."""
+    o = Output("", [], [], [], None, prompt_logprobs=prompt_logprobs)
+    lp = _choice_logprobs(req, tokenizer, o, 0) if req.logprobs else None
+    return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+            "choices": [{"index": index, "text": req.prompt_texts[0], "logprobs": lp, "finish_reason": None}],
+            "usage": usage(len(req.prompt_ids), 0) if req.continuous_usage else None}
 
 
 def stream_chunk(req: ParsedRequest, rid: str, created: int, delta_text: str | None, token_ids: list[int],
