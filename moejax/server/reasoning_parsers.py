@@ -64,12 +64,5 @@ class Step3ReasoningParser(ReasoningParser):
     strip_start = False
 
 
+# --reasoning-parser NAME (cli.py: argparse choices)
 REASONING_PARSERS = {"deepseek_r1": DeepSeekR1ReasoningParser, "step3": Step3ReasoningParser}
-
-
-def reasoning_parser(name: str) -> type[ReasoningParser]:
-    """The class of ``--reasoning-parser NAME``; a ValueError naming the flag and the choices otherwise."""
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"--reasoning-parser {name!r}: unknown; choose one of {sorted(REASONING_PARSERS)}") from None

@@ -189,12 +189,5 @@ def _as_type(value: str, typ) -> object:
     return value
 
 
+# --tool-call-parser NAME (cli.py: argparse choices)
 TOOL_PARSERS = {"deepseek_v3": DeepSeekV3ToolParser, "step3": Step3ToolParser}
-
-
-def tool_parser(name: str) -> type[ToolParser]:
-    """The class of ``--tool-call-parser NAME``; a ValueError naming the flag and the choices otherwise."""
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"--tool-call-parser {name!r}: unknown; choose one of {sorted(TOOL_PARSERS)}") from None
