@@ -5,6 +5,9 @@ from tokens equals the one counted step by step; then greedy end to end through 
 scheduling): allowed_token_ids, bad_words, min_tokens and the penalties as a NumPy greedy loop over the
 model's own logits says."""
 
+import dataclasses
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -203,6 +206,10 @@ def test_prepare_refuses_what_the_sampler_cannot_take():
             SamplingParams(**kw)
     words = sample_controls.bad_words_token_ids(["3 4"], IdTokenizer())
     assert words == [[3, 4]]
+    # the params survive JSON (a disaggregated handoff's, a worker's body): logit_bias keys come back strings
+    p = SamplingParams(logit_bias={5: 2.0}, bad_words=["x"], allowed_token_ids=[3], min_p=0.1, min_tokens=2,
+                       repetition_penalty=1.2, presence_penalty=-1.0, frequency_penalty=0.5)
+    assert SamplingParams(**json.loads(json.dumps(dataclasses.asdict(p)))) == p
 
 
 # ----- end to end, greedy through the tiny model ---------------------------------------------------

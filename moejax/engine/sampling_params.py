@@ -101,11 +101,15 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {self.logit_bias!r}"[:300])
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are taken")
+            bias = {}
             for t, b in self.logit_bias.items():
-                if not token_id(t):
+                # a decimal string too: the key as JSON carries it (OpenAI's body, a handoff's params)
+                k = int(t) if isinstance(t, str) and t.isdigit() else t
+                if not token_id(k):
                     raise ValueError(f"logit_bias keys must be token ids (integers in [0, {INT32_MAX}]), got {t!r}")
                 check_num("logit_bias", b, -100.0, 100.0)
-            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
+                bias[k] = float(b)
+            self.logit_bias = bias
         if self.allowed_token_ids is not None:
             if (not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
                     or not all(token_id(t) for t in self.allowed_token_ids)):
