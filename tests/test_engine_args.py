@@ -176,7 +176,7 @@ def test_a_bad_value_is_refused_naming_the_setting(name, bad):
         assert e.value.code == 2
 
 
-def test_kernel_overrides_reach_kernel_selection(monkeypatch):
+def test_kernel_overrides_reach_the_kernel_plans(monkeypatch):
     """The overrides given to moejax.load are carried in EngineConfig and read by kernel selection while the
     engine's step is traced (KernelScopedModule's scope): a setting wins over its environment variable, which
     is read only where the setting is auto; outside the trace, no engine's settings apply. fp8_fast_accum
