@@ -15,6 +15,10 @@ model. With async scheduling the token each sequence sampled in the step still i
 (``peek_pending``: it is done by then, the device having moved on to the next model step), so the
 overlap of the model step with the host's work is kept.
 
+With a reasoning parser the grammar holds only the answer after the thinking (vLLM's rule):
+``Constraint.after`` names the marker that ends it (``</think>``), and the sequence samples freely until its
+text has it, the grammar then starting at the next token (the real checkpoints' ``</think>`` is one token).
+
 The grammar ends the answer: once it is complete the mask allows only the stop tokens (EOS), which the
 engine's EOS rule stops on; so ``ignore_eos`` and ``min_tokens`` (which mask EOS) are refused with a
 constraint, and so is speculative decoding (the mask of a draft position depends on the drafts).
@@ -39,10 +43,12 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 class Constraint:
     """What the output must match: ``kind`` one of KINDS; ``spec`` its text (a JSON schema as JSON, a
     regex, the choices as a JSON list, an EBNF grammar; "" for json_object, any JSON object as vLLM's).
-    ``any_whitespace`` false: JSON without free whitespace (vLLM's disable_any_whitespace)."""
+    ``any_whitespace`` false: JSON without free whitespace (vLLM's disable_any_whitespace). ``after``: the text
+    that ends the thinking, before which nothing is constrained ("": the whole output)."""
     kind: str
     spec: str = ""
     any_whitespace: bool = True
+    after: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -55,7 +61,7 @@ class Constraint:
         """A Constraint from itself, a dict of its fields (SamplingParams crossing a process as JSON), or None."""
         if value is None or isinstance(value, Constraint):
             return value
-        if isinstance(value, dict) and set(value) <= {"kind", "spec", "any_whitespace"}:
+        if isinstance(value, dict) and set(value) <= {"kind", "spec", "any_whitespace", "after"}:
             return cls(**value)
         raise ValueError(f"structured_outputs must be a Constraint, got {value!r}"[:200])
 
@@ -133,8 +139,11 @@ class SequenceGrammar:
     """One sequence's matcher, following its output tokens (``mask_row`` catches up on the tokens it has not
     seen, and rolls back those a dropped step took away)."""
 
-    def __init__(self, grammars: Grammars, constraint: Constraint, stop_token_ids):
+    def __init__(self, grammars: Grammars, constraint: Constraint, stop_token_ids, tokenizer=None):
         xgr = xgrammar()
+        self.after, self.tokenizer = constraint.after, tokenizer  # the thinking's end, found in the decoded text
+        self.start = 0 if not self.after else None  # the output index the grammar starts at (None: not yet)
+        self.scanned = 0  # output tokens looked at for the marker
         self.stop = [int(t) for t in stop_token_ids]
         self.matcher = xgr.GrammarMatcher(grammars.compile(constraint), override_stop_tokens=self.stop)
         self.words = xgr.get_bitmask_shape(1, grammars.vocab_size)[1]
@@ -147,6 +156,10 @@ class SequenceGrammar:
         if self.pending is not None and self.pending[0] == len(tokens):
             tokens.append(self.pending[1])
         self.pending = None
+        if self.after:
+            tokens = self._after_thinking(tokens)
+            if tokens is None:
+                return np.full(self.words, -1, np.int32)  # still thinking: every token
         keep = 0
         while keep < min(len(self.accepted), len(tokens)) and self.accepted[keep] == tokens[keep]:
             keep += 1
@@ -166,6 +179,21 @@ class SequenceGrammar:
             self.matcher.fill_next_token_bitmask(row, 0)
         return row[0]
 
+    def _after_thinking(self, tokens: list[int]) -> list[int] | None:
+        """The tokens after the one that completes ``after`` (None while it has not come); a dropped step that
+        took the marker away starts the search again."""
+        if self.start is not None and len(tokens) < self.start:
+            self.matcher.reset()
+            self.accepted, self.start, self.scanned = [], None, 0
+        self.scanned = min(self.scanned, len(tokens))
+        window = 4 * len(self.after)  # tokens enough to hold the marker's text (each gives a character or more)
+        while self.start is None and self.scanned < len(tokens):
+            self.scanned += 1
+            tail = self.tokenizer.decode(tokens[max(0, self.scanned - window):self.scanned], skip_special_tokens=False)
+            if self.after in tail:
+                self.start = self.scanned
+        return None if self.start is None else tokens[self.start:]
+
 
 def sequence_grammar(params, tokenizer, vocab_size: int, eos_token_ids, speculative: bool = False):
     """The SequenceGrammar of a new sequence with these SamplingParams (None without a constraint); a
@@ -176,7 +204,7 @@ def sequence_grammar(params, tokenizer, vocab_size: int, eos_token_ids, speculat
     check_request(params, speculative)
     if not eos_token_ids:
         raise ValueError("structured_outputs: this model has no EOS token to end a structured output with")
-    return SequenceGrammar(grammars_for(tokenizer, vocab_size), c, eos_token_ids)
+    return SequenceGrammar(grammars_for(tokenizer, vocab_size), c, eos_token_ids, tokenizer)
 
 
 def peek_pending(seqs, prev) -> None:

@@ -116,6 +116,21 @@ def test_mask_rows_follow_the_choices(tok):
     assert _allowed(g.mask_row(_byte_ids(tok, "ab") + [EOS])) == {EOS}  # ended: only EOS, never an empty row
 
 
+def test_grammar_starts_after_the_thinking(tok):
+    """With ``after`` (a reasoning parser's </think>) every token may come until the text has the marker, however
+    the tokens cut it; the grammar holds the tokens after it; a dropped step that took the marker away (a
+    shorter output) starts the search again."""
+    c = Constraint.choice(["red", "green"])
+    g = SequenceGrammar(grammars_for(tok, VOCAB), Constraint(c.kind, c.spec, after="</think>"), (EOS,), tok)
+    thinking = _byte_ids(tok, "so, </thi")
+    assert len(_allowed(g.mask_row(thinking))) == VOCAB
+    done = thinking + _byte_ids(tok, "nk>")
+    assert _allowed(g.mask_row(done)) == {_byte_ids(tok, "r")[0], _byte_ids(tok, "g")[0]}
+    assert _allowed(g.mask_row(done + _byte_ids(tok, "gr"))) == {_byte_ids(tok, "e")[0]}
+    assert len(_allowed(g.mask_row(thinking + _byte_ids(tok, "n")))) == VOCAB  # rolled back before the marker
+    assert _allowed(g.mask_row(done + _byte_ids(tok, "red"))) == {EOS}
+
+
 def _run(engine, tokenizer, requests):
     seqs = [engine.add_request(tokenizer.encode(prompt), p) for prompt, p in requests]
     engine.run_to_completion(seqs)

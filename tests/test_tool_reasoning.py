@@ -296,8 +296,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 def test_forced_tool_choice_is_a_grammar(tiny_path):
     """A named function or "required" needs no flags: the answer is held to the call by a grammar (vLLM's
     schemas: the function's parameters; an array of {"name", "parameters"}, one item when parallel_tool_calls is
-    false); "required" with no tools is "none"; another structured output with it, or one with a reasoning
-    parser, is refused."""
+    false); "required" with no tools is "none"; another structured output with it is refused; with a reasoning
+    parser the grammar starts after </think>."""
     pytest.importorskip("xgrammar")
     plain = _ctx(tiny_path)
     r = _chat(plain, tools=TOOLS, tool_choice=NAMED)
@@ -312,8 +312,12 @@ def test_forced_tool_choice_is_a_grammar(tiny_path):
     r = _chat(plain, tools=[], tool_choice="required")
     assert r.parsing is None and r.params.structured_outputs is None
     assert _refused(plain, tools=TOOLS, tool_choice="required", guided_regex="a").param == "guided_regex"
-    assert _refused(_ctx(tiny_path, reasoning_parser=DeepSeekR1ReasoningParser), tools=TOOLS,
-                    tool_choice=NAMED).param == "tool_choice"
+    r = _chat(_ctx(tiny_path, reasoning_parser=DeepSeekR1ReasoningParser), tools=TOOLS, tool_choice=NAMED)
+    assert r.params.structured_outputs.after == "</think>" and r.parsing.reasoning is DeepSeekR1ReasoningParser
+    # the thinking, then the call
+    assert no_ids(whole(r.parsing, 'hmm</think>{"city": "x"}')) == {
+        "role": "assistant", "content": None, "reasoning_content": "hmm", "tool_calls": [call("get_weather",
+                                                                                              '{"city": "x"}')]}
 
 
 @pytest.mark.parametrize("text,calls", [
@@ -500,3 +504,30 @@ def test_served_forced_tool_choice(servers):
                     got[t.index] = [t.function.name, ""]
                 got[t.index][1] += t.function.arguments or ""
         assert [got[k] for k in sorted(got)] == [[c.function.name, c.function.arguments] for c in calls]
+
+
+def test_served_thinking_then_structured_output(servers):
+    """With --reasoning-parser the grammar holds the answer after </think> only (vLLM's rule): the first greedy
+    token, decoded by the test-only tokenizer as the thinking and its end, is sampled freely; the answer after it
+    is one of the choices (plain and streamed)."""
+    pytest.importorskip("xgrammar")
+    (client, _), tok = servers
+    choices = ["red", "green", "blue"]
+    tok.script = {}
+    for i in range(20):  # a prompt whose first greedy token is none of the choices' letters
+        msgs = [{"role": "user", "content": f"colour {i}?"}]
+        first = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=1, temperature=0,
+                                               extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"][0]
+        if tok.decode([first]) not in "".join(choices):
+            break
+    tok.script = {first: "Let me pick.</think>"}
+    try:
+        kw = dict(model=NAME, messages=msgs, max_tokens=30, temperature=0, extra_body={"guided_choice": choices})
+        ch = client.chat.completions.create(**kw).choices[0]
+        assert ch.finish_reason == "stop" and ch.message.model_extra["reasoning_content"] == "Let me pick."
+        assert ch.message.content in choices
+        chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ch.message.content
+        assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks) == "Let me pick."
+    finally:
+        tok.script = {}

@@ -56,11 +56,11 @@ class ChatOutput:
 
     def feed(self, text: str, final: bool = False) -> dict:
         """The stream delta for this piece of text (OpenAI's keys; empty when everything is held back)."""
-        if self.spec.forced is not None:
-            return self._forced_delta(text, final)
         reasoning, content = self._reasoning.feed(text, final) if self._reasoning else ("", text)
         calls: list[ToolCallDelta] = []
-        if self._tools is not None:
+        if self.spec.forced is not None:  # the answer after the thinking is the call
+            calls, content = self._forced_calls(content, final), ""
+        elif self._tools is not None:
             content, calls = self._tools.feed(content, final)
             if not self.spec.parallel_tool_calls:
                 calls = [c for c in calls if c.index == 0]
@@ -74,15 +74,13 @@ class ChatOutput:
             delta["tool_calls"] = _merged(calls)
         return delta
 
-    def _forced_delta(self, text: str, final: bool) -> dict:
+    def _forced_calls(self, text: str, final: bool) -> list[ToolCallDelta]:
         if self._forced is not None:
-            calls = self._forced.feed(text)
-        elif self.called:
-            calls = [ToolCallDelta(0, arguments=text)] if text else []
-        else:  # the named function: its call opens with the first piece (or the end, for an empty answer)
-            calls = [ToolCallDelta(0, new_call_id(), self.spec.forced, text)] if text or final else []
-        self.called = self.called or bool(calls)
-        return {"tool_calls": _merged(calls)} if calls else {}
+            return self._forced.feed(text)
+        if self.called:
+            return [ToolCallDelta(0, arguments=text)] if text else []
+        # the named function: its call opens with the first piece (or the end, for an empty answer)
+        return [ToolCallDelta(0, new_call_id(), self.spec.forced, text)] if text or final else []
 
     def message(self, text: str) -> dict:
         """The whole answer as the response's ``message``."""

@@ -320,7 +320,8 @@ def _output_parsing(body, ctx: ServingContext) -> OutputParsing | None:
         raise APIError("'include_reasoning' false needs the server started with --reasoning-parser (without one the "
                        "reasoning is part of the content)", param="include_reasoning")
     if choice not in ("none", "auto"):  # the grammar (_constraint) makes the answer the call(s)
-        return OutputParsing(forced="required" if choice == "required" else choice.function.name)
+        return OutputParsing(ctx.reasoning_parser, include_reasoning=body.include_reasoning is not False,
+                             forced="required" if choice == "required" else choice.function.name)
     strict = [t.function.name for t in tools or () if t.function.strict]
     if strict and choice == "auto":
         raise APIError(f"tools[].function.strict true ({strict[0]!r}): \"auto\" calls are not held to their schema "
@@ -354,9 +355,6 @@ def _constraint(body, ctx: ServingContext) -> Constraint | None:
     key = given[0]
     if len(given) > 1:
         raise APIError(f"only one structured output may be given; got {', '.join(given)}", param=given[1])
-    if ctx.reasoning_parser is not None:
-        raise APIError(f"'{key}' with --reasoning-parser is not supported yet (the grammar would hold the "
-                       "thinking too); it is refused rather than ignored", param=key)
     for name in ("ignore_eos", "min_tokens"):  # structured_output.check_request's rule, with the right param
         if getattr(body, name):
             raise APIError(f"'{name}' cannot go with '{key}': a structured output ends with EOS once its grammar "
@@ -364,6 +362,8 @@ def _constraint(body, ctx: ServingContext) -> Constraint | None:
     try:
         c = forced or _constraint_of(key, getattr(body, key))
         grammars_for(ctx.tokenizer, ctx.vocab_size).compile(c)
+        if ctx.reasoning_parser is not None:  # the grammar holds the answer after the thinking (vLLM's rule)
+            c = dataclasses.replace(c, after=ctx.reasoning_parser.end)
     except ValueError as e:
         raise APIError(f"'{key}': {e}", param=key) from None
     return c

@@ -26,7 +26,7 @@ class ReasoningParser:
     """One answer's split; ``feed`` the text as it comes, each call returns its (reasoning, content) pieces."""
 
     strip_start = True  # a <think> opening the output is not reasoning text
-
+    end = THINK_END  # where the thinking ends (a structured output's grammar starts after it)
     markers = (THINK_START, THINK_END)
 
     def __init__(self):
