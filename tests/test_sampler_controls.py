@@ -8,6 +8,7 @@ model's own logits says."""
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -369,3 +370,25 @@ def test_handed_off_sequence_keeps_its_controls(model, tiny_path):
         decode.step()
     got = {tuple(s.token_ids[:s.num_prompt_tokens]): s.output_ids for s in moved}
     assert [got[tuple(p)] for p in prompts] == want
+
+
+def test_controls_variant_has_no_device_side_branch(model):
+    """The controls variant, as the engine calls it, holds no ``conditional`` (layers/sampler.py: XLA:GPU would
+    read its predicate back to the host before launching a branch)."""
+    import re
+    runner = model.engine.runner
+    real, got = runner._sample, []
+
+    def capture(*args):
+        if args[6].controls:
+            got.append(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a,
+                                    args, is_leaf=lambda a: isinstance(a, SampleMode)))
+        return real(*args)
+
+    runner._sample = capture
+    try:
+        _run(model, [[5, 6, 7]], [SamplingParams(max_new_tokens=3, ignore_eos=True, presence_penalty=1.0)])
+    finally:
+        runner._sample = real
+    assert got
+    assert not re.search(r"\bconditional\(", real.lower(*got[-1]).compile().as_text())

@@ -9,7 +9,8 @@ static ``SampleMode`` the host knows, not a ``lax.cond`` on the device: XLA:GPU 
 conditional's predicate back to the host before it launches the branch, which made every step's
 dispatch wait for the step itself (measured on the H200: the decode call returned only after the
 device had run it, so the host could not build the next step meanwhile). A batch's mode picks one
-of six small compiled sampler variants (model_runner.py runs sampling as its own program):
+of six small compiled sampler variants, seven with the controls one below (model_runner.py runs
+sampling as its own program):
 greedy-only batches skip the random draw, and batches where no row truncates (top-k off, top-p 1)
 skip the vocabulary sort: their draw is the same Gumbel-max over the vocabulary in token order that
 the truncating path makes with nothing dropped, so the tokens are identical either way.
@@ -18,7 +19,9 @@ The sampling controls (vLLM's: a vocabulary mask, bad words, logit bias, presenc
 repetition penalties, min_p; min_tokens is a mask) run only in the one ``controls`` variant, picked
 for a batch where some row uses one; a batch where none does runs the variants above, unchanged. The
 controls variant is the general one (random, top logprobs, truncation: greedy rows still take the
-argmax, and a row with neither top-k nor top-p drops nothing), so it adds one program a rows bucket.
+argmax, and a row with neither top-k nor top-p drops nothing), so it adds one program a rows bucket;
+its cost over the plain sampling variant is mostly the vocabulary sort, which a batch with top-p
+(DeepSeek's generation_config.json default 0.95) makes anyway.
 vLLM's order: mask, bad words, bias, penalties (the greedy argmax is taken here), temperature, min_p,
 top-k / top-p.
 
