@@ -266,6 +266,15 @@ def test_tools_refused_without_the_flags(tiny_path):
     assert plain.tokenizer.decode(_chat(plain).prompt_ids, False) == "<user>hi<｜Assistant｜>"
 
 
+def test_tokenize_with_tools(tiny_path):
+    """/tokenize's chat form takes the tools too: the prompt the chat endpoint builds with them."""
+    from moejax.server.protocol import tokenize
+    ctx = _ctx(tiny_path)
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    got = tokenize(json.dumps(body).encode(), ctx)["tokens"]
+    assert got == _chat(ctx, tools=TOOLS, tool_choice="none").prompt_ids != _chat(ctx).prompt_ids
+
+
 def test_tool_choice_auto_parses(tiny_path):
     r = _chat(_ctx(tiny_path, **AUTO), tools=TOOLS)
     assert r.parsing.tools is DeepSeekV3ToolParser and r.parsing.reasoning is None

@@ -190,6 +190,7 @@ class TokenizeChatRequest(_Body):
     """POST /tokenize with messages: the prompt the chat endpoint would build."""
     model: str | None = None
     messages: list[ChatMessage]
+    tools: list[ToolDefinition] | None = None  # given to the chat template, as the chat endpoint does
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
