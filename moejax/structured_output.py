@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import json
 import re
+import weakref
 
 import numpy as np
 
@@ -135,6 +136,11 @@ def check_request(params, speculative: bool) -> None:
                          "depends on the drafts)")
 
 
+# The matchers of the sequences alive in this process (a sequence's goes with it): with none, a decode step's
+# peek_pending costs nothing (measured: 40 us a step over 1024 sequences otherwise).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
 class SequenceGrammar:
     """One sequence's matcher, following its output tokens (``mask_row`` catches up on the tokens it has not
     seen, and rolls back those a dropped step took away)."""
@@ -149,6 +155,7 @@ class SequenceGrammar:
         self.words = xgr.get_bitmask_shape(1, grammars.vocab_size)[1]
         self.accepted: list[int] = []
         self.pending: tuple[int, int] | None = None  # (output index, token) sampled in the step in flight
+        _LIVE.add(self)
 
     def mask_row(self, output_ids: list[int]) -> np.ndarray:
         """int32 [W]: the tokens the grammar allows after ``output_ids`` (and the pending token)."""
@@ -210,8 +217,10 @@ def sequence_grammar(params, tokenizer, vocab_size: int, eos_token_ids, speculat
 def peek_pending(seqs, prev) -> None:
     """Before a step's mask is built: each constrained sequence's token in ``prev`` (the step in flight) read
     from the device, so its matcher can take it (one copy for the batch; the engine reads the step after)."""
+    if not _LIVE or prev is None:
+        return
     waiting = [s for s in seqs if s.grammar is not None and s.num_pending_tokens]
-    if not waiting or prev is None:
+    if not waiting:
         return
     toks = to_host(prev.sampled[0])
     for s in waiting:
