@@ -137,7 +137,7 @@ def check_request(params, speculative: bool) -> None:
 
 
 # The matchers of the sequences alive in this process (a sequence's goes with it): with none, a decode step's
-# peek_pending costs nothing (measured: 40 us a step over 1024 sequences otherwise).
+# peek_pending returns at once instead of looking at every sequence of the batch.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
