@@ -15,13 +15,13 @@ precompiled set missed (moejax:compiles_after_startup_total, which stays 0 in st
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 
 import jax
-from jax._src import xla_bridge  # whether a backend has started (no public API; moejax/xla_flags.py too)
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
+
+from moejax.xla_flags import cpu_only
 
 ENV_VAR = "MOEJAX_COMPILATION_CACHE_DIR"
 OFF = ("", "off", "none", "0", "false")
@@ -45,21 +45,8 @@ def resolve_cache_dir(path: str | None = None) -> str | None:
         # The default is for GPUs, where a program takes seconds to minutes to compile. CPU programs
         # compile fast and XLA:CPU's executable loading is fragile upstream (jax issues 28908, 38445):
         # off there unless asked.
-        path = "off" if _cpu_only() else default_cache_dir()
+        path = "off" if cpu_only() else default_cache_dir()
     return None if path.strip().lower() in OFF else os.path.abspath(os.path.expanduser(path))
-
-
-def _cpu_only() -> bool:
-    """Whether JAX runs on the CPU here, decided without starting a backend (jax.distributed.initialize
-    must come first in a multi-process job): JAX_PLATFORMS, else the backends already started, else
-    whether a GPU plugin is installed."""
-    platforms = (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or "").strip().lower()
-    if platforms:
-        return platforms.split(",")[0].strip() == "cpu"
-    if getattr(xla_bridge, "_backends", None):
-        return jax.default_backend() == "cpu"
-    return not any(importlib.util.find_spec(m) for m in
-                   ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin"))
 
 
 _enabled_dir: str | None = None
@@ -102,7 +89,7 @@ def keeps_object_code() -> bool:
     so serialized again it holds no code and, loaded, fails at run time ("Function ... not found";
     moejax/executable_check.py refuses such an entry). The executable cache turns JAX's cache off there
     (``exclusive_of_executable_cache``)."""
-    return not _cpu_only()
+    return not cpu_only()
 
 
 def exclusive_of_executable_cache() -> bool:

@@ -241,6 +241,14 @@ class EngineArgs:
         None, "JAX's persistent compilation cache, so a restart loads its programs (default: "
         "$MOEJAX_COMPILATION_CACHE_DIR, else ~/.cache/moejax/jax on a GPU, off on CPU; 'off' disables it: "
         "moejax/compilation.py)", layer="load", check=path_or_none, metavar="DIR")
+    executable_cache_dir: str = setting(
+        "env", "where the precompiled set's executables are kept, so a restart neither traces nor compiles them "
+        "(moejax/executable_cache.py): a folder; 'env' (the default): $MOEJAX_EXECUTABLE_CACHE_DIR, else off; "
+        "'auto' (moejax serve's default): $MOEJAX_EXECUTABLE_CACHE_DIR, else $XDG_CACHE_HOME/moejax/executables "
+        "(~/.cache/moejax/executables); 'off' disables it", layer="load", check=path_or_none, metavar="DIR")
+    print_programs: bool = setting(
+        False, "print every precompiled program at start-up: its bucket and why it exists "
+        "(moejax/engine/precompile.py)", layer="load", check=boolean)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

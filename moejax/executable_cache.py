@@ -20,11 +20,15 @@ without running any Python trace.
 - Entries are written atomically (a temporary file, then a rename): a process killed mid-write leaves
   the old entry or none.
 
-The folder: ``$MOEJAX_EXECUTABLE_CACHE_DIR`` (or the argument); unset, empty or ``off``: no cache.
+The folder (``resolve_dir``): the engine setting ``executable_cache_dir`` (moejax/engine_args.py); ``auto``
+(``moejax serve``'s default): ``$MOEJAX_EXECUTABLE_CACHE_DIR``, else ``$XDG_CACHE_HOME/moejax/executables``
+(``~/.cache/moejax/executables``, beside vLLM's and JAX's caches); ``env`` (the default, a library
+load): ``$MOEJAX_EXECUTABLE_CACHE_DIR``, else off; ``off`` (or empty): no cache.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -42,15 +46,25 @@ from moejax import executable_check
 ENV_VAR = "MOEJAX_EXECUTABLE_CACHE_DIR"
 OFF = ("", "off", "none", "0", "false")
 MAGIC = b"MOEJAXEX"
-FORMAT = 1  # bump when the entry layout changes: every entry is then rebuilt
+FORMAT = 2  # bump when the entry layout changes: every entry is then rebuilt (2: static arguments by repr)
 
 log = logging.getLogger("moejax.precompile")
 
 
+AUTO, ENV = "auto", "env"
+
+
+def default_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moejax", "executables")
+
+
 def resolve_dir(path: str | None = None) -> str | None:
-    """The cache folder from the argument, else the environment; None: off."""
-    if path is None:
+    """The cache folder from the setting (module docstring); None: off."""
+    if path is None or path.strip().lower() == ENV:
         path = os.environ.get(ENV_VAR, "")
+    elif path.strip().lower() == AUTO:
+        path = os.environ.get(ENV_VAR) or default_dir()
     return None if path.strip().lower() in OFF else os.path.abspath(os.path.expanduser(path))
 
 
@@ -62,13 +76,16 @@ def environment_key() -> dict:
             "devices": jax.device_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
-def signature(args: tuple) -> tuple:
-    """A call's top-level arguments as the executable table is keyed: arrays (and abstract arrays) by
-    shape and dtype, containers as "tree" (parameters, routing: their shapes are fixed for a runner),
-    other values (static arguments) by repr."""
+def signature(args: tuple, static: frozenset[int] = frozenset()) -> tuple:
+    """A call's top-level arguments as the executable table is keyed: the static arguments (positions
+    ``static``: a sampler's SampleMode, a NamedTuple) by repr, arrays (and abstract arrays) by shape and
+    dtype, other containers as "tree" (parameters, routing: their shapes are fixed for a runner; no two
+    programs of the set may differ in a tree alone: tests/test_precompile_programs.py), other values by repr."""
     out = []
-    for a in args:
-        if hasattr(a, "shape") and hasattr(a, "dtype"):
+    for i, a in enumerate(args):
+        if i in static:
+            out.append(("static", repr(a)))
+        elif hasattr(a, "shape") and hasattr(a, "dtype"):
             out.append(("array", tuple(int(d) for d in a.shape), str(a.dtype)))
         elif isinstance(a, (dict, list, tuple)):
             out.append(("tree",))
@@ -127,6 +144,9 @@ class ExecutableCache:
         self.loaded = 0  # executables loaded in this process (tests and the start-up line read it)
         self.stored = 0
         self.refused = 0  # executables not kept: their serialized form would not run (``_unsafe``)
+        # Why entries were rebuilt (the start-up line): none on disk, a key changed (its fields), unusable.
+        self.missing, self.stale, self.unusable = 0, 0, 0
+        self.changed: collections.Counter[str] = collections.Counter()  # the fields that made entries stale
 
     @classmethod
     def open(cls, path: str | None = None) -> "ExecutableCache | None":
@@ -136,7 +156,7 @@ class ExecutableCache:
         try:
             return cls(d)
         except OSError as e:
-            raise ValueError(f"{ENV_VAR} {d!r} cannot be created: {e}") from None
+            raise ValueError(f"executable_cache_dir {d!r} cannot be created: {e}") from None
 
     def _path(self, label: str) -> str:
         return os.path.join(self.dir, hashlib.sha256(label.encode()).hexdigest()[:32] + ".exe")
@@ -153,19 +173,24 @@ class ExecutableCache:
             with open(path, "rb") as f:
                 blob = f.read()
         except FileNotFoundError:
+            self.missing += 1
             return None
         try:
             header, payload = _decode(blob)
         except CorruptEntry as e:
+            self.unusable += 1
             log.warning("executable cache: the entry for %s (%s) is unusable: %s; rebuilding it", label, path, e)
             return None
         if header.get("label") != label:
+            self.unusable += 1
             log.warning("executable cache: %s holds a foreign entry (%r, not %r); rebuilding it",
                         path, header.get("label"), label)
             return None
         key, old = _flat(self._key(depends)), _flat(header.get("key", {}))
         if old != key:
             changed = sorted(k for k in set(key) | set(old) if key.get(k) != old.get(k))
+            self.stale += 1
+            self.changed.update(changed)
             log.info("executable cache: rebuilding %s: %s changed", label,
                      ", ".join(f"{k} ({_short(old.get(k))} -> {_short(key.get(k))})" for k in changed))
             return None
@@ -193,6 +218,7 @@ class ExecutableCache:
         try:
             serialized, in_tree, out_tree = pickle.loads(payload)
             if (problem := self._unsafe(serialized)) is not None:
+                self.unusable += 1
                 log.warning("executable cache: the entry for %s is unsafe to run: %s; rebuilding it", label, problem)
                 return None
             by_id = {d.id: d for d in jax.devices()}
@@ -201,11 +227,23 @@ class ExecutableCache:
             compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
                                                                  execution_devices=devices)
         except Exception as e:  # noqa: BLE001 - any failure to load is a rebuild, never a crash
+            self.unusable += 1
             log.warning("executable cache: the entry for %s failed to load (%s: %s); rebuilding it",
                         label, type(e).__name__, e)
             return None
         self.loaded += 1
         return compiled, signature_from_json(header["signature"])
+
+    def summary(self) -> str:
+        """This process's hits and misses, and why entries were rebuilt (the start-up line)."""
+        why = [f"{self.missing} not there"] if self.missing else []
+        if self.stale:
+            why.append(f"{self.stale} with a changed key: " + ", ".join(k for k, _ in self.changed.most_common(3)))
+        if self.unusable:
+            why.append(f"{self.unusable} unusable (see the warnings)")
+        out = f"{self.loaded} loaded, {self.stored + self.refused} built"
+        out += f" ({'; '.join(why)})" if why else ""
+        return out + (f", {self.refused} not kept (unsafe to run once loaded)" if self.refused else "")
 
     def _unsafe(self, serialized: bytes) -> str | None:
         """Why a serialized executable must not be kept or run, or None: on CPU, moejax/executable_check.py."""
@@ -271,12 +309,15 @@ class PrecompiledFunction:
     def eval_shape(self, *args):
         return self.jitted.eval_shape(*args)
 
+    def signature(self, args: tuple) -> tuple:
+        return signature(args, self.static)
+
     def install(self, sig: tuple, compiled) -> None:
         self.executables[sig] = compiled
 
     def __call__(self, *args):
         if self.executables:
-            c = self.executables.get(signature(args))
+            c = self.executables.get(self.signature(args))
             if c is not None:  # static arguments are part of the executable: not passed
                 return c(*(a for i, a in enumerate(args) if i not in self.static))
         return self.jitted(*args)

@@ -1,17 +1,30 @@
 """The XLA flags moejax's programs need, set in one place (before JAX creates its backends).
 
+Every platform (XLA:CPU parses and ignores these GPU options):
+
 - ``--xla_gpu_enable_latency_hiding_scheduler=true``: XLA:GPU's scheduler that moves an async
   collective's start early and its done late, so independent kernels run between them; dual-batch
   overlap (docs/dbo.md) relies on it to put one micro-batch's compute under the other's all-to-all.
 - ``--xla_gpu_experimental_parallel_collective_overlap_limit=2``: two collectives in flight at once
   (the default, 1, would serialise micro-batch 0's combine with micro-batch 1's dispatch).
 
-Both are GPU options (XLA:CPU parses and ignores them). A value the user already set in XLA_FLAGS
-wins; once a backend exists, XLA has read its flags and this changes nothing (a warning says so).
+Where JAX runs on the CPU only (``cpu_only``: the tiny default server, tests, CI), what makes start-up
+compilation fit a 2-core machine (every program is compiled before /health answers 200; the cost in step
+time and compile time is in BENCHMARKS.md, "2026-12-07b start-up (CPU)"):
+
+- ``--xla_backend_optimization_level=0``: LLVM's codegen at -O0; the HLO and its fusions are XLA's usual
+  ones, so the programs compute the same values.
+- ``--xla_cpu_use_fusion_emitters=false`` (jaxlib 0.10 only: XLA aborts on a flag it no longer knows):
+  each fusion's loop emitted straight to LLVM IR instead of through the MLIR emitters, the same HLO and
+  fusions.
+
+A value the user already set in XLA_FLAGS wins; once a backend exists, XLA has read its flags and this
+changes nothing (a warning says so).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 
@@ -21,13 +34,49 @@ FLAGS = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
     "xla_gpu_experimental_parallel_collective_overlap_limit": "2",
 }
+CPU_FLAGS = {"xla_backend_optimization_level": "0"}
+CPU_FLAGS_JAXLIB_0_10 = {"xla_cpu_use_fusion_emitters": "false"}
+GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin")
+
+
+def cpu_only(env=os.environ) -> bool:
+    """Whether JAX runs on the CPU here, decided without starting a backend (jax.distributed.initialize
+    must come first in a multi-process job): JAX_PLATFORMS, else the backends already started, else
+    whether a GPU plugin is installed."""
+    import jax
+
+    platforms = (env.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").strip().lower()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    if getattr(xla_bridge, "_backends", None):
+        return jax.default_backend() == "cpu"
+    return not any(importlib.util.find_spec(m) for m in GPU_PLUGINS)
+
+
+def _jaxlib_minor() -> tuple[int, int] | None:
+    try:
+        from importlib.metadata import version
+
+        return tuple(int(x) for x in version("jaxlib").split(".")[:2])
+    except Exception:  # noqa: BLE001 - not installed as a distribution, or an odd version: no versioned flag
+        return None
+
+
+def wanted(env=os.environ) -> dict[str, str]:
+    """The flags this process should run with (before the user's)."""
+    out = dict(FLAGS)
+    if cpu_only(env):
+        out.update(CPU_FLAGS)
+        if _jaxlib_minor() == (0, 10):
+            out.update(CPU_FLAGS_JAXLIB_0_10)
+    return out
 
 
 def set_xla_flags(env=os.environ) -> list[str]:
     """Adds the flags not already in ``env["XLA_FLAGS"]``; returns those added."""
     current = env.get("XLA_FLAGS", "")
     have = {f.lstrip("-").split("=", 1)[0] for f in current.split()}
-    added = [f"--{k}={v}" for k, v in FLAGS.items() if k not in have]
+    added = [f"--{k}={v}" for k, v in wanted(env).items() if k not in have]
     if not added:
         return []
     started = bool(getattr(xla_bridge, "_backends", None))

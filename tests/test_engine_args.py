@@ -37,7 +37,7 @@ OVERRIDES = {"moe_kernel": ks.MOE_KERNEL_ENV, "w8a8_kernel": ks.W8A8_KERNEL_ENV,
 # Non-default values of the settings whose values are not just a choice, a bool or a number.
 SAMPLES = {"fp8_layers": "experts,attention", "parallel": "dp2-ep2", "scheduling_policy": "interleave:2",
            "speculative_config": {"method": "mtp", "num_speculative_tokens": 2},
-           "compilation_cache_dir": "/tmp/moejax-cache", "max_model_len": 512, "num_kv_blocks": 99,
+           "compilation_cache_dir": "/tmp/moejax-cache", "executable_cache_dir": "/tmp/moejax-executables", "max_model_len": 512, "num_kv_blocks": 99,
            "gpu_memory_utilization": 0.5}
 
 

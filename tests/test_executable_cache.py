@@ -7,6 +7,7 @@ import glob
 import logging
 import os
 import pickle
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +29,22 @@ def ckpt(tmp_path_factory):
     return random_v3_tiny(tmp_path_factory, "ec")
 
 
+@pytest.fixture(scope="module")
+def cold(ckpt, tmp_path_factory):
+    """One cold start into a module folder: (folder, precompile's result, traces, builds, tokens served);
+    each test starts from a copy of it (a cold start is most of this file's time)."""
+    d = str(tmp_path_factory.mktemp("cold") / "executables")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(executable_cache.ENV_VAR, d)
+        model, out, traces, builds = start(ckpt)
+        return d, out, traces, builds, serve(model, PROMPTS)
+
+
 @pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
+def cache_dir(cold, tmp_path, monkeypatch):
+    """A copy of the cold start's folder, the engines' executable cache."""
     d = str(tmp_path / "executables")
+    shutil.copytree(cold[0], d)
     monkeypatch.setenv(executable_cache.ENV_VAR, d)
     return d
 
@@ -44,31 +58,34 @@ def start(ckpt, **kw):
     return model, out, sum(model.engine.runner.trace_counts.values()), compilation.COUNTER.snapshot()[0] - built
 
 
-def greedy(model, prompts):
+# Greedy, seeded sampling with top-k, and top logprobs: three sampler modes (each its own executable).
+PARAMS = [dict(temperature=0.0), dict(temperature=0.8, top_k=20, seed=11), dict(temperature=0.0, top_logprobs=3)]
+PROMPTS = [[5, 9, 17, 3], [101, 7], [42, 43, 44]]
+
+
+def serve(model, prompts):
+    """Each prompt's tokens and logprobs, the prompts run together (one batch a step)."""
     eng = model.engine
-    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)) for p in prompts]
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=True, **kw))
+            for p, kw in zip(prompts, PARAMS)]
     while eng.has_unfinished():
         eng.step()
-    return [list(s.output_ids) for s in seqs]
+    return [(list(s.output_ids), [round(float(x), 6) for x in s.logprobs]) for s in seqs]
 
 
-PROMPTS = [[5, 9, 17, 3], [101, 7]]
-
-
-def test_restart_traces_and_compiles_nothing_and_serves_the_same_tokens(ckpt, cache_dir):
-    cold, out, traces, builds = start(ckpt)
+def test_restart_traces_and_compiles_nothing_and_serves_the_same_tokens(ckpt, cold, cache_dir):
+    _, out, traces, builds, want = cold
     assert "loaded" not in out and traces > 0 and builds == out["programs"]
-    want = greedy(cold, PROMPTS)
     warm, out2, traces2, builds2 = start(ckpt)
     assert out2["loaded"] == out["programs"] and traces2 == 0 and builds2 == 0
     built = compilation.COUNTER.snapshot()[0]
-    assert greedy(warm, PROMPTS) == want
+    assert serve(warm, PROMPTS) == want
     assert sum(warm.engine.runner.trace_counts.values()) == 0  # serving ran the loaded executables only
     assert compilation.COUNTER.snapshot()[0] == built
 
 
-def test_a_changed_key_rebuilds_what_depends_on_it(ckpt, cache_dir, caplog):
-    _, out, _, _ = start(ckpt)
+def test_a_changed_key_rebuilds_what_depends_on_it(ckpt, cold, cache_dir, caplog):
+    out = cold[1]
     sample = sum(1 for f in glob.glob(os.path.join(cache_dir, "*.exe")))
     assert sample == out["programs"] + 1  # and the manifest
     # max_model_len changes the model steps' block tables and the cache's rows, not the sampler or the gather.
@@ -81,8 +98,8 @@ def test_a_changed_key_rebuilds_what_depends_on_it(ckpt, cache_dir, caplog):
     assert not any(f"rebuilding {lb}:" in r.message for lb in kept for r in caplog.records)
 
 
-def test_a_truncated_or_foreign_entry_is_rebuilt_with_a_warning(ckpt, cache_dir, caplog):
-    _, out, _, _ = start(ckpt)
+def test_a_truncated_or_foreign_entry_is_rebuilt_with_a_warning(ckpt, cold, cache_dir, caplog):
+    out = cold[1]
     files = sorted(glob.glob(os.path.join(cache_dir, "*.exe")), key=os.path.getsize)
     big, other = files[-1], files[-2]
     with open(big, "rb") as f:
@@ -98,7 +115,7 @@ def test_a_truncated_or_foreign_entry_is_rebuilt_with_a_warning(ckpt, cache_dir,
     warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert any("truncated" in w for w in warnings) and any("foreign entry" in w for w in warnings)
     assert "loaded" not in out2 and builds == 2  # exactly the two bad entries
-    assert greedy(model, PROMPTS)  # and it serves
+    assert serve(model, PROMPTS) == cold[4]  # and it serves the same tokens
     # Rebuilt entries are whole again: the next start loads everything.
     _, out3, traces3, builds3 = start(ckpt)
     assert out3["loaded"] == out["programs"] and traces3 == builds3 == 0
@@ -221,3 +238,18 @@ def test_a_cpu_executable_without_its_code_is_never_kept_or_run(tmp_path, caplog
     out = compiled(x, y)
     np.testing.assert_allclose(np.asarray(out[0], np.float64), want[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out[1]), want[1])
+
+
+def test_on_by_default_for_the_server_in_the_users_cache_folder(tmp_path, monkeypatch):
+    from moejax.engine_args import EngineArgs
+    from moejax.server.cli import build_load_kwargs, build_parser
+
+    monkeypatch.delenv(executable_cache.ENV_VAR, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    kw = build_load_kwargs(build_parser().parse_args([]))
+    assert executable_cache.resolve_dir(kw["executable_cache_dir"]) == str(tmp_path / "xdg" / "moejax" / "executables")
+    assert executable_cache.resolve_dir(build_load_kwargs(build_parser().parse_args(
+        ["--executable-cache-dir", "off"]))["executable_cache_dir"]) is None
+    assert executable_cache.resolve_dir(EngineArgs().executable_cache_dir) is None  # a library load: off
+    monkeypatch.setenv(executable_cache.ENV_VAR, str(tmp_path / "moved"))  # the environment moves it, both ways
+    assert executable_cache.resolve_dir("auto") == executable_cache.resolve_dir("env") == str(tmp_path / "moved")

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 
-from moejax.executable_cache import ExecutableCache, PrecompiledFunction, signature, signature_from_json
+from moejax.executable_cache import ExecutableCache, PrecompiledFunction, signature_from_json
 
 log = logging.getLogger("moejax.precompile")
 _STEP = None  # the family of every label not listed below: the whole configuration
@@ -29,7 +29,8 @@ def _family(label: str) -> str | None:
 
 # Settings read by the host only (when to compile, where the weights come from, the scheduler's policies):
 # no program changes with them, so they are not in any key.
-HOST_ONLY_SETTINGS = frozenset({"precompile", "compilation_cache_dir", "load_format", "max_preemptions",
+HOST_ONLY_SETTINGS = frozenset({"precompile", "print_programs", "executable_cache_dir", "compilation_cache_dir",
+                                "load_format", "max_preemptions",
                                 "scheduling_policy", "enable_prefix_caching", "async_scheduling"})
 
 
@@ -78,6 +79,11 @@ def functions(runner) -> dict[str, PrecompiledFunction]:
     return {v.name: v for v in vars(runner).values() if isinstance(v, PrecompiledFunction)}
 
 
+def manifest_of(runner, cache: ExecutableCache) -> list[dict]:
+    """The set's manifest as kept (its labels, functions and signatures), [] if there is none current."""
+    return cache.load_manifest(set_depends(runner)) or []
+
+
 def load_set(runner, cache: ExecutableCache) -> int:
     """Installs every executable of the set's manifest (no trace); returns how many, 0 if the set is not
     complete on disk (then precompile builds what is missing, loading the rest program by program)."""
@@ -104,7 +110,7 @@ def load_program(runner, cache: ExecutableCache, program) -> bool:
     if not isinstance(program.fn, PrecompiledFunction):
         return False
     got = cache.load(program.label, program_depends(runner, program.label))
-    if got is None or got[1] != signature(program.args):
+    if got is None or got[1] != program.fn.signature(program.args):
         return False
     program.fn.install(*reversed(got))
     return True
@@ -113,7 +119,7 @@ def load_program(runner, cache: ExecutableCache, program) -> bool:
 def store_program(runner, cache: ExecutableCache, program, compiled) -> None:
     """Installs ``compiled`` for ``program`` and keeps it (programs of an unwrapped jit are not kept)."""
     if isinstance(program.fn, PrecompiledFunction):
-        sig = signature(program.args)
+        sig = program.fn.signature(program.args)
         program.fn.install(sig, compiled)
         cache.store(program.label, program_depends(runner, program.label), compiled, sig)
 
@@ -122,4 +128,4 @@ def store_manifest(runner, cache: ExecutableCache, programs) -> None:
     """The set's labels, functions and signatures: written only when every program is kept."""
     if all(isinstance(p.fn, PrecompiledFunction) for p in programs):
         cache.store_manifest(set_depends(runner), [
-            {"label": p.label, "fn": p.fn.name, "signature": list(signature(p.args))} for p in programs])
+            {"label": p.label, "fn": p.fn.name, "signature": list(p.fn.signature(p.args))} for p in programs])

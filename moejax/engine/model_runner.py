@@ -22,25 +22,19 @@ through the MoE dispatch backend's collectives).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
 import itertools
-import logging
-import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
-from tqdm.auto import tqdm
 
 from moejax.kernels import decode_tables
 from moejax.config import EngineConfig
-from moejax import compilation
-from moejax.executable_cache import ExecutableCache, PrecompiledFunction
-from moejax.engine import executable_set
+from moejax.executable_cache import PrecompiledFunction
+from moejax.engine.precompile import build as build_precompiled
 from moejax.engine import prompt_logprobs
 from moejax.engine.buckets import Buckets, next_pow2, powers_of_two, token_bucket
 from moejax.engine.sequence import Sequence
@@ -61,9 +55,6 @@ class StepOutput:
     tokens: np.ndarray  # [n] token ids
     logprobs: np.ndarray  # [n] logprob of each token under the raw distribution
     top_logprobs: list  # [n]: None, or the sequence's top_logprobs best (token id, logprob), descending
-
-
-log = logging.getLogger("moejax.precompile")
 
 
 def packed_bucket(n: int) -> int:
@@ -395,52 +386,12 @@ class ModelRunner:
         return steps + sample + [Program(*p) for p in self.controls.programs()] + feed + own + rows
 
     def precompile(self, progress: bool = True, threads: int | None = None) -> dict:
-        """Compiles every program of ``precompile_programs``, so no request compiles anything; with JAX's
-        persistent cache (moejax/compilation.py) a restart loads them instead. Tracing runs here, XLA's
-        compiles in ``threads`` threads (default: the CPU count, at most 8, on a GPU; inline on CPU;
-        $MOEJAX_COMPILE_THREADS). Returns {"programs", "seconds"}; logs one line a program."""
-        t0 = time.perf_counter()
-        # XLA:CPU's compiles are short and a CPU process has other work: compile inline there; GPUs,
-        # where a program takes seconds to minutes, take a pool.
-        cpu = jax.default_backend() == "cpu"
-        threads = threads or int(os.environ.get("MOEJAX_COMPILE_THREADS") or (1 if cpu else min(8, os.cpu_count() or 1)))
-        cache = ExecutableCache.open()  # $MOEJAX_EXECUTABLE_CACHE_DIR (moejax/executable_cache.py)
-        if cache is not None and compilation.exclusive_of_executable_cache():
-            log.info("JAX's persistent compilation cache is off in this process: its executables could not be kept "
-                     "by the executable cache here (moejax/compilation.py keeps_object_code)")
-        if cache is not None and (n := executable_set.load_set(self, cache)):  # the whole set: nothing traced
-            self.precompiled = True
-            return {"programs": n, "seconds": time.perf_counter() - t0, "loaded": n}
-        programs = self.precompile_programs()
-        total = len(programs)
-        bar = tqdm(total=total, desc="Compiling programs", unit="prog", disable=not progress)
-        done = [0]
-
-        def compile_one(program, lowered):
-            label = program.label
-            t = time.perf_counter()
-            compiled = lowered.compile()
-            if cache is not None:
-                executable_set.store_program(self, cache, program, compiled)
-            done[0] += 1
-            log.info("compiled %s in %.2f s (%d/%d)", label, time.perf_counter() - t, done[0], total)
-            bar.update(1)
-            return compiled
-
-        if threads <= 1:
-            for p in programs:
-                if cache is None or not executable_set.load_program(self, cache, p):
-                    compile_one(p, p.lower())
-        else:  # traced here, compiled in the pool
-            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="moejax-compile") as pool:
-                for f in [pool.submit(compile_one, p, p.lower()) for p in programs
-                          if cache is None or not executable_set.load_program(self, cache, p)]:
-                    f.result()
-        bar.close()
-        if cache is not None:
-            executable_set.store_manifest(self, cache, programs)
+        """Loads or compiles every program of ``precompile_programs``, so no request compiles anything
+        (moejax/engine/precompile.py). Returns {"programs", "seconds"} (and "loaded" when the executable
+        cache held the whole set); logs one line a program."""
+        out = build_precompiled(self, progress, threads)
         self.precompiled = True
-        return {"programs": total, "seconds": time.perf_counter() - t0}
+        return out
 
     # ----- host-side batching ---------------------------------------------
     def by_rank(self, seqs: list[Sequence]) -> tuple[list[list[Sequence]], int]:

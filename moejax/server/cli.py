@@ -62,8 +62,9 @@ from moejax.tiny.default_model import default_model_path
 from moejax.tokenizer import Tokenizer
 
 # moejax serve's own defaults for engine settings: the server compiles every program before /health
-# answers 200 (make_app), so no request compiles anything.
-SERVE_DEFAULTS = {"precompile": True}
+# answers 200 (make_app), so no request compiles anything, and keeps the executables for its next start
+# (moejax/executable_cache.py's default folder).
+SERVE_DEFAULTS = {"precompile": True, "executable_cache_dir": "auto"}
 # The directory that holds the moejax package: on the worker processes' PYTHONPATH, so `python -m moejax`
 # finds this moejax whether it was installed or run from a checkout (scripts/serve.py).
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
