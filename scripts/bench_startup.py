@@ -29,6 +29,8 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The runner's line a program (moejax/engine/model_runner.py): "compiled LABEL in S s (i/n)", "loaded ..." when
 # it came from the executable cache.
+# precompile's line for the executable cache (moejax/engine/precompile.py): its hits, misses and why rebuilt.
+CACHE_LINE = re.compile(r"moejax\.precompile: (executable cache .*)")
 PROGRAM_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) moejax\.precompile: (compiled|loaded) (.+?) in ([0-9.]+) s")
 
 
@@ -79,6 +81,7 @@ def one_run(server_args: list[str], cache_dir: str, timeout: float) -> dict:
                MOEJAX_EXECUTABLE_CACHE_DIR=os.path.join(cache_dir, "executables"))
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--port", str(port), *server_args]
     log = tempfile.TemporaryFile("w+")
+    load_before = os.getloadavg()[0]
     t0_wall, t0 = time.time(), time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}/health"
@@ -99,7 +102,11 @@ def one_run(server_args: list[str], cache_dir: str, timeout: float) -> dict:
             proc.kill()
     log.seek(0)
     lines = log.read().split("\n")  # not splitlines: the bar's carriage returns would cut a line
-    return {"to_health_s": round(total, 2), **parse_log(lines, t0_wall)}
+    cache = [m.group(1) for ln in lines if (m := CACHE_LINE.search(ln))]
+    # How loaded the machine was (1-minute load average before and after): a 2-core machine shared with
+    # other work starts slower.
+    return {"to_health_s": round(total, 2), **parse_log(lines, t0_wall), "cache": cache[-1] if cache else None,
+            "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 
 
 def main(argv=None) -> int:
