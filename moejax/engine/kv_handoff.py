@@ -43,6 +43,7 @@ import numpy as np
 from moejax.engine import sample_controls
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.sequence import Sequence, Status
+from moejax.structured_output import sequence_grammar
 
 
 @dataclasses.dataclass
@@ -165,6 +166,8 @@ def add_prefilled(engine, req: PrefilledRequest) -> Sequence:
     seq.num_prompt_tokens = req.num_prompt_tokens
     seq.controls = sample_controls.prepare(req.params, engine.tokenizer, runner.cfg.vocab_size, engine.eos_token_ids,
                                            speculative=not engine.proposer.own_decode)  # as add_request's
+    seq.grammar = sequence_grammar(req.params, engine.tokenizer, runner.cfg.vocab_size, engine.eos_token_ids,
+                                   speculative=not engine.proposer.own_decode)  # it catches up on the first token
     seq.logprobs, seq.top_logprobs = list(req.logprobs), list(req.top_logprobs)
 
     def fill(hit: int) -> None:  # blocks for every token (the last one's row comes with its decode step)
