@@ -11,6 +11,7 @@ The checkpoint is v3-tiny with its MTP layer (``num_nextn_predict_layers`` 1), r
 (logits spread: greedy near-ties rare) from a fresh seed (the module fixture prints it)."""
 
 import asyncio
+import dataclasses
 
 import jax
 import numpy as np
@@ -93,8 +94,7 @@ def test_same_tokens_as_reference(ckpt):
     test_precompile_covers_speculative_programs.)"""
     rng = np.random.default_rng()
     base, spec = _load(ckpt), _load(ckpt, 1)
-    # async scheduling (the default) is accepted with speculation; speculative steps run synchronously
-    assert spec.config.scheduler.async_scheduling and not spec.engine.async_scheduling
+    assert spec.engine.async_scheduling  # the default: speculative steps overlapped (test_async_*)
     prompts, params = _prompts(rng, 3), _mixed(rng, 3)  # one request of each kind
     want, _ = _run(base, prompts, params)
     _assert_same(_run(spec, prompts, params)[0], want)
@@ -301,3 +301,83 @@ def test_fp8_weights_same_tokens(tmp_path):
     got, _ = _run(spec, prompts, params)
     _assert_same(got, want)
     assert spec.engine.stats.spec_num_drafts > 0
+
+
+def _recording(spec):
+    """Wraps the proposer's dispatch and read to record ("dispatch" | "read", step number) in order."""
+    drafter, events, ids = spec.engine.runner.proposer, [], {}
+    dispatch, read = drafter.dispatch, drafter.read
+
+    def rec_dispatch(seqs, prev=None):
+        step = dispatch(seqs, prev)
+        ids[id(step)] = len(ids)
+        events.append(("dispatch", ids[id(step)], prev is not None))
+        return step
+
+    def rec_read(step):
+        events.append(("read", ids[id(step)], None))
+        return read(step)
+    drafter.dispatch, drafter.read = rec_dispatch, rec_read
+    return events, lambda: (delattr(drafter, "dispatch"), delattr(drafter, "read"))
+
+
+def _overlapped_reads(events) -> int:
+    """Reads of a step made after the next step was dispatched (fed from it on the device)."""
+    at = {(e, n): i for i, (e, n, _) in enumerate(events)}
+    return sum(1 for e, n, fed in events if e == "dispatch" and fed and at[("dispatch", n)] < at[("read", n - 1)])
+
+
+def test_async_same_tokens_as_sync_and_reference(ckpt):
+    """Async scheduling (speculative step N+1 dispatched before step N is read, its inputs built on the device
+    from N's outputs) against the synchronous speculative engine and the non-speculative one: greedy, seeded
+    top-p and top-logprobs requests, with EOS (a token of the reference's output as a stop token), stop strings
+    and max_tokens landing mid-run; the same tokens, logprobs, finish reasons and texts. The recorded order
+    shows the host reading step N only after N+1 was dispatched."""
+    rng = np.random.default_rng()
+    base, sync, spec = _load(ckpt), _load(ckpt, 1, async_scheduling=False), _load(ckpt, 1)
+    assert spec.engine.async_scheduling and not sync.engine.async_scheduling
+    prompts, params = _prompts(rng, 4, 3, 14), _mixed(rng, 4)
+    want, _ = _run(base, prompts, params)
+    # Stops mid-run: a token of each reference output as its stop token, a stop string, EOS not ignored.
+    text = next(w[3] for w in want if len(w[3]) >= 6)
+    stops = [dataclasses.replace(p, stop_token_ids=[w[0][len(w[0]) // 2]], ignore_eos=False)
+             if i % 2 == 0 else dataclasses.replace(p, stop=[text[2:4]])
+             for i, (p, w) in enumerate(zip(params, want))]
+    want_stop, _ = _run(base, prompts, stops)
+    assert any(w[2] == "stop" for w in want_stop)
+    events, undo = _recording(spec)
+    try:
+        for ps, w in ((params, want), (stops, want_stop)):
+            _assert_same(_run(sync, prompts, ps)[0], w)
+            _assert_same(_run(spec, prompts, ps)[0], w)
+    finally:
+        undo()
+    assert _overlapped_reads(events) >= 4, events  # (accepted drafts fed on the device: test_step_inputs_*)
+
+
+def test_async_preemption_and_abort(ckpt):
+    """A 10-block cache (80 slots for 4 sequences of up to 46 tokens, 2(k+1) reserved ahead): sequences are
+    preempted with a step in flight and recomputed, losing nothing accepted; a request aborted with a step in
+    flight ends with a prefix of the reference's tokens and frees its blocks, the others unchanged."""
+    rng = np.random.default_rng()
+    base, spec = _load(ckpt), _load(ckpt, 1, num_kv_blocks=10)
+    prompts = _prompts(rng, 4, 8, 16)
+    params = [SamplingParams(max_new_tokens=30, ignore_eos=True, logprobs=True, seed=i, temperature=0.7)
+              for i in range(4)]
+    want, _ = _run(base, prompts, params)
+    pre0 = spec.engine.scheduler.num_preemptions
+    _assert_same(_run(spec, prompts, params)[0], want)
+    assert spec.engine.scheduler.num_preemptions > pre0
+    eng = spec.engine
+    seqs = [eng.add_request(p, sp) for p, sp in zip(prompts[:2], params[:2])]
+    while seqs[0].num_output_tokens < 6:
+        eng.step()
+    assert eng._in_flight is not None and seqs[0].num_pending_tokens
+    eng.abort(seqs[0])
+    while not seqs[1].is_finished:
+        eng.step()
+    assert seqs[0].finish_reason == "abort" and seqs[0].output_ids == want[0][0][:len(seqs[0].output_ids)]
+    assert (seqs[1].output_ids, seqs[1].finish_reason) == (want[1][0], want[1][2])
+    while eng._in_flight is not None:  # the step dispatched with seqs[1] before its end was read: discarded
+        eng.step()
+    assert eng.blocks.num_free == eng.blocks.num_blocks

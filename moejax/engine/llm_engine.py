@@ -35,6 +35,7 @@ from moejax.engine import sample_controls
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.scheduler import Scheduler
 from moejax.engine.sequence import Sequence, Status
+from moejax.engine.speculative import SpecStep
 from moejax.eplb.balancer import ExpertLoadBalancer
 from moejax.parallel.processes import shared_seed
 from moejax.structured_output import sequence_grammar
@@ -88,15 +89,15 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, runner.max_num_seqs * runner.num_ranks,
                                    config.scheduler.max_prefill_tokens, config.scheduler.max_preemptions,
                                    runner.max_model_len, config.scheduler.scheduling_policy,
-                                   lookahead=config.num_speculative_tokens)
+                                   lookahead=config.num_speculative_tokens, overlaps=self.proposer.overlaps)
         self.stats = EngineStats(spec_accepted_per_pos=(0,) * config.num_speculative_tokens)
         # Seeds of requests that bring none: the same in every process of a multi-process job.
         self._rng = random.Random(shared_seed())
-        # A proposer's own decode step (speculative: verify the drafts, draft again) runs synchronously: the
-        # next step's positions depend on what this one accepts.
-        self.async_scheduling = config.scheduler.async_scheduling and self.proposer.own_decode
-        self._in_flight: DecodeStep | None = None  # the decode step dispatched and not yet read
-        self._reading: DecodeStep | None = None  # the one being read (the next one dispatched already)
+        self.async_scheduling = config.scheduler.async_scheduling
+        # The decode step dispatched and not yet read, and the one being read (the next one dispatched already):
+        # the runner's DecodeStep, or the proposer's own (a speculative step).
+        self._in_flight: DecodeStep | SpecStep | None = None
+        self._reading: DecodeStep | SpecStep | None = None
         # (first, sequence): samples of first's prompt (n > 1, best_of) held until first's prompt is cached
         self._held: list[tuple[Sequence, Sequence]] = []
 
@@ -214,19 +215,22 @@ class LLMEngine:
                 s.num_pending_tokens = 0
         self._reading = self._in_flight = None
 
-    def _dispatch_decode(self, seqs: list[Sequence], prev: DecodeStep | None = None) -> DecodeStep:
-        step = self.runner.dispatch_decode(seqs, prev)
+    def _dispatch_decode(self, seqs: list[Sequence], prev=None):
+        step = (self.runner.dispatch_decode(seqs, prev) if self.proposer.own_decode else
+                self.proposer.dispatch(seqs, prev))
         self.balancer.record()  # expert counts of this step, left on the device; may rebalance between steps
         return step
 
-    def _finish_decode(self, step: DecodeStep, t0: float) -> tuple[str, list[Sequence]]:
+    def _finish_decode(self, step, t0: float) -> tuple[str, list[Sequence]]:
         """Reads a dispatched decode step and appends its tokens; a sequence finished (or aborted) since
         the step was scheduled gets nothing: its token is discarded."""
         self._reading = step  # until read: a failure abandons it (_drop_in_flight)
-        out = self.runner.read(step)
+        out = self.runner.read(step) if self.proposer.own_decode else self.proposer.read(step)
         self._reading = None
         self.stats.decode_steps += 1
         self.stats.decode_time += time.perf_counter() - t0
+        if not self.proposer.own_decode:
+            return "decode", self._append_accepted(step.seqs, out)
         stepped = []
         for seq, t, lp, top in zip(step.seqs, out.tokens.tolist(), out.logprobs.tolist(), out.top_logprobs):
             if seq.is_finished:
@@ -269,27 +273,36 @@ class LLMEngine:
         return kind, stepped
 
     def _run_proposer_decode(self, seqs: list[Sequence], t0: float) -> tuple[str, list[Sequence]]:
-        """The proposer's decode step (engine/speculative.py's verify): each sequence gets its accepted drafts
-        and one more token, appended one by one, so EOS, stop strings and length limits cut an accepted run
-        where they fall."""
+        """The proposer's decode step (engine/speculative.py's verify), run and read at once."""
         out = self.proposer.decode(seqs)
         self.balancer.record()
+        self.stats.decode_steps += 1
+        self.stats.decode_time += time.perf_counter() - t0
+        return "decode", self._append_accepted(seqs, out)
+
+    def _append_accepted(self, seqs: list[Sequence], out) -> list[Sequence]:
+        """A speculative step's tokens (each sequence's accepted drafts and one more), appended one by one, so
+        EOS, stop strings and length limits cut an accepted run where they fall; a sequence finished (or
+        aborted) since the step was dispatched gets nothing. Returns the sequences that got tokens."""
         st = self.stats
-        st.decode_steps += 1
-        st.decode_time += time.perf_counter() - t0
         st.spec_num_drafts += out.num_drafts
         st.spec_num_draft_tokens += out.num_draft_tokens
         st.spec_num_accepted_tokens += int(out.accepted_per_pos.sum())
         st.spec_accepted_per_pos = tuple(int(a + b) for a, b in zip(st.spec_accepted_per_pos, out.accepted_per_pos))
+        stepped = []
         for seq, toks, lps, tops in zip(seqs, out.tokens, out.logprobs, out.top_logprobs):
+            if seq.is_finished:
+                continue
+            stepped.append(seq)
             for t, lp, top in zip(toks, lps, tops):
                 # Full blocks of computed tokens become prefix-cache hits, as a decode step per token registers them.
-                self.blocks.cache_computed(seq)
+                if seq.block_table:  # not preempted since it was dispatched
+                    self.blocks.cache_computed(seq)
                 self._append(seq, t, lp, top)
                 st.decode_tokens += 1
                 if seq.is_finished:
                     break
-        return "decode", list(seqs)
+        return stepped
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
         p = seq.params

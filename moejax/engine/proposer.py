@@ -6,7 +6,9 @@ program (``prefill_inputs``, their shapes for start-up compilation ``prefill_inp
 prefill step (``after_prefill``), and when enumerating the precompiled set (``decode_programs`` in place of
 its own decode step when ``own_decode`` is false, ``programs_after``). A proposer registers its own prefill
 bodies and programs through the runner's public step API (``compile_step``, ``set_prefill_bodies``,
-``run_step``, ``step_program``); the engine runs its decode step (``decode``). Drafts move with a
+``run_step``, ``step_program``); the engine runs its decode step (``dispatch`` then ``read``, overlapped
+under async scheduling as the runner's own; ``decode`` both at once), asking ``overlaps`` which sequences
+may be scheduled with a step in flight. Drafts move with a
 disaggregated handoff through ``export_drafts`` / ``import_drafts`` (engine/kv_handoff.py).
 engine/speculative.py's SpecDecoder is the one proposer with drafts.
 """
@@ -39,6 +41,10 @@ class Proposer:
     def programs_after(self, decode: list, prefill: list) -> list:
         """The proposer's own programs, given the decode and prefill step programs (their output types)."""
         return []
+
+    def overlaps(self, seq: Sequence) -> bool:
+        """Whether a decode step of ``seq`` may be dispatched while its step before is in flight."""
+        return True
 
     def export_drafts(self, seq: Sequence) -> list[int]:
         """The drafts ``seq`` carries to another engine."""

@@ -35,9 +35,11 @@ from moejax.engine.sequence import Sequence, Status
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_prefill_tokens: int,
                  max_preemptions: int = 16, max_model_len: int | None = None, scheduling_policy: str = DEFAULT,
-                 lookahead: int = 0):
+                 lookahead: int = 0, overlaps: Callable[[Sequence], bool] = lambda seq: True):
         """lookahead: tokens a decode step writes past the sequence's next one (speculative drafts), given
-        blocks when free ones are left (engine/speculative.py caps the drafts to what the blocks hold)."""
+        blocks when free ones are left (engine/speculative.py caps the drafts to what the blocks hold), past
+        its tokens in flight too. overlaps(seq): whether a step of seq may be scheduled while its step before
+        is in flight (async scheduling; the proposer's rule, engine/proposer.py)."""
         self.blocks = block_manager
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.max_num_seqs = max_num_seqs
@@ -52,6 +54,7 @@ class Scheduler:
         self.prefix_cache_hits = 0  # ... of which found there
         self.policy = SchedulingPolicy(scheduling_policy)  # when a prefill may run while sequences decode
         self.lookahead = lookahead
+        self.overlaps = overlaps
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -75,8 +78,10 @@ class Scheduler:
         kept: list[Sequence] = []  # running, in their order: the decode batch and those held back
         while self.running:
             seq = self.running.pop(0)
-            if seq.num_pending_tokens and seq.ends_by_length(self.max_model_len):
-                kept.append(seq)  # its token in flight ends it: nothing more to compute (async scheduling)
+            if seq.num_pending_tokens and (seq.ends_by_length(self.max_model_len) or not self.overlaps(seq)):
+                # Its tokens in flight may end it (nothing more to compute), or its next step needs them on the
+                # host: scheduled again once they are read (async scheduling).
+                kept.append(seq)
                 continue
             while not self.blocks.can_append(seq):
                 if self.running:
@@ -90,7 +95,7 @@ class Scheduler:
                 kept.append(seq)
         self.running = kept
         for seq in decode if self.lookahead else ():  # after every sequence has its next token's block
-            self.blocks.reserve(seq, min(len(seq) + self.lookahead, self.max_model_len))
+            self.blocks.reserve(seq, min(len(seq) + seq.num_pending_tokens + self.lookahead, self.max_model_len))
         return ("decode", list(decode)) if decode else ("idle", [])  # a copy: finishing edits running
 
     def prefill_ready(self) -> bool:

@@ -63,6 +63,19 @@ class SpecStepOutput:
     accepted_per_pos: np.ndarray | None = None  # [k]: drafts accepted at each position
 
 
+@dataclasses.dataclass
+class SpecStep:
+    """A dispatched speculative step: its outputs stay on the device until ``SpecDecoder.read``."""
+    seqs: list[Sequence]
+    ranks: list[list[Sequence]]
+    sampled: tuple  # the sampler's outputs over the verify's rows [N, B x R] (engine/model_runner.py)
+    drafts: object  # [N, B, k]: each sequence's next drafts
+    accepted: object  # [N, B]: drafts accepted
+    valid: object  # [N, B]: drafts verified
+    feed: tuple  # (next tokens [N, Bmax, R], accepted [N, Bmax]): what the next step's verify reads
+    index: dict[int, tuple[int, int]]  # seq_id -> (rank, row)
+
+
 class SpecDecoder(Proposer):
     """The MTP proposer (engine/proposer.py): its programs and prefill bodies registered through the runner's
     step API; every decode step a verify (``decode``, run by the engine)."""
@@ -100,13 +113,40 @@ class SpecDecoder(Proposer):
         last = h[jnp.arange(tokens.shape[0]), jnp.maximum(seq_lens - 1, 0)]
         return cache, model(last, method="logits"), counts, dispatched, last, r.prompt_logprobs(model, h, prompt_lp)
 
-    def _verify_rank(self, params, routing, cache, tokens, positions, slots, block_tables, seq_lens):
-        """The decode body over B x (k+1) rows, also returning the hidden states the MTP layer takes."""
+    def _verify_rank(self, params, routing, cache, prev_tokens, prev_n, rows, host_tokens, base, host_nd,
+                     block_tables, capacity):
+        """The step's inputs built here (``_step_inputs``), then the decode body over B x (k+1) rows; also returns
+        the hidden states the MTP layer takes and the inputs the sampler and the draft program take."""
         r = self.runner
+        tokens, positions, slots, lens, valid = self._step_inputs(prev_tokens, prev_n, rows, host_tokens, base,
+                                                                  host_nd, block_tables, capacity)
         model = r.bound_model(params, routing)
-        batch = ForwardBatch.decode(positions, slots, block_tables, jnp.maximum(seq_lens, 1), r.block_size)
-        (h, cache), counts, dispatched = model(tokens, batch, cache, method="decode", counted=True)
-        return cache, model(h, method="logits"), counts, dispatched, h
+        flat = lambda a: a.reshape(-1)  # noqa: E731
+        batch = ForwardBatch.decode(flat(positions), flat(slots), jnp.repeat(block_tables, self.R, axis=0),
+                                    flat(lens), r.block_size)
+        (h, cache), counts, dispatched = model(flat(tokens), batch, cache, method="decode", counted=True)
+        return cache, model(h, method="logits"), counts, dispatched, h, flat(positions) + 1, tokens, positions, valid
+
+    def _step_inputs(self, prev_tokens, prev_n, rows, host_tokens, base, host_nd, tables, capacity):
+        """A verify's rows [B, R] from the step before's device outputs where it is still in flight (no host
+        round trip): rows [B] >= 0 index prev_tokens [Bmax, R] (its last accepted token, then its next drafts)
+        and prev_n [Bmax] (its accepted drafts), the sequence's last token then at host position base + n + 1;
+        rows < 0 take the host's host_tokens [B, R] at base [B] (len - 1), host_nd [B] of its drafts usable.
+        Drafts are cut to the blocks held (capacity [B]) and to leave the sequence within max_model_len."""
+        r, R, k = self.runner, self.R, self.k
+        pend = rows >= 0
+        at = jnp.maximum(rows, 0)
+        P = base + jnp.where(pend, prev_n[at] + 1, 0)
+        tok = jnp.where(pend[:, None], prev_tokens[at], host_tokens)
+        n_len = P + 1
+        nv = jnp.clip(jnp.minimum(jnp.where(pend, k, host_nd), jnp.minimum(capacity - n_len,
+                                                                             r.max_model_len - n_len - 1)), 0, k)
+        j = jnp.arange(R)[None, :]
+        live = j <= nv[:, None]  # t_P and the drafts verified
+        positions = P[:, None] + j
+        lens = P[:, None] + jnp.minimum(j, nv[:, None]) + 1
+        slots = jnp.where(live, self._slot(tables, positions, capacity), r.num_slots)
+        return jnp.where(live, tok, 0), positions, slots, lens, nv
 
     def _slot(self, tables, pos, capacity):
         """Cache slots of positions pos [B, ...] through tables [B, W]; past the sequence's blocks: dropped."""
@@ -135,7 +175,7 @@ class SpecDecoder(Proposer):
         """h [B*R, H] and sampled [B*R] (the verify's hidden states and the sampler's tokens), vtokens [B, R]
         (what was verified: t_P then the drafts), valid [B] (drafts that count), positions [B, R] = P + j,
         tables [B, W], capacity [B] (positions the blocks hold). Returns (cache, next drafts [B, k],
-        accepted [B])."""
+        accepted [B], and both again as the next step's feed [Bmax, R] and [Bmax])."""
         r = self.runner
         model = r.bound_model(params, routing)
         B, R = vtokens.shape
@@ -150,7 +190,12 @@ class SpecDecoder(Proposer):
         m, cache = model(x.reshape(-1), h, batch, cache, method="mtp_decode")
         m_n = m.reshape(B, R, -1)[jnp.arange(B), n]
         drafts, cache = self._chain(model, cache, m_n, positions[:, 0] + n + 1, tables, capacity)
-        return cache, drafts, n
+        # The next step's feed (``_step_inputs``): last accepted token and drafts, accepted count, padded to the
+        # largest decode batch so that one verify program per bucket reads it whatever batch it came from.
+        pad = r.buckets.max_decode_batch
+        nxt = jnp.concatenate([x[jnp.arange(B), n][:, None], drafts], axis=1)
+        return (cache, drafts, n, jnp.zeros((pad, R), jnp.int32).at[:B].set(nxt),
+                jnp.zeros((pad,), jnp.int32).at[:B].set(n))
 
     def _draft_first_rank(self, params, routing, cache, last_h, sampled, positions, tables, capacity):
         """After a prefill: the MTP row of each prompt's last position (its hidden state last_h [B, H], the
@@ -236,69 +281,88 @@ class SpecDecoder(Proposer):
             return np.asarray(self.draft_override(seq), np.int32)[:self.k]
         return self.drafts.get(seq, np.zeros(0, np.int32))
 
-    def decode(self, seqs: list[Sequence]) -> SpecStepOutput:
-        """One speculative step of every sequence: verify its drafts, accept, draft the next ones."""
+    def overlaps(self, seq: Sequence) -> bool:
+        """Whether a step of ``seq`` may be dispatched while its previous one is in flight (its inputs then built
+        on the device): not while its min_tokens masks the stop tokens, a count the sampler's controls take
+        from the host's tokens."""
+        return seq.params.min_tokens <= seq.num_output_tokens and self.draft_override is None
+
+    def dispatch(self, seqs: list[Sequence], prev: "SpecStep | None" = None) -> "SpecStep":
+        """Launches one speculative step of every sequence without waiting for it: verify its drafts, accept,
+        draft the next ones. A sequence whose step before is still in flight (``prev``) is fed from that step's
+        device outputs (``_step_inputs``); the others from the host's tokens and drafts."""
         r = self.runner
         ranks, per_rank = r.by_rank(seqs)
         N, B, R, k, bs = r.num_ranks, r.buckets.decode_batch(per_rank), self.R, self.k, r.block_size
         W = r.buckets.decode_width(max(len(s.block_table) for s in seqs))
-        tokens, positions = np.zeros((N, B, R), np.int32), np.zeros((N, B, R), np.int32)
-        lens, sample_pos = np.ones((N, B, R), np.int32), np.zeros((N, B, R), np.int32)
-        slots = np.full((N, B, R), r.num_slots, np.int32)
+        host_tokens, rows = np.zeros((N, B, R), np.int32), np.full((N, B), -1, np.int32)
+        base, nd, cap = (np.zeros((N, B), np.int32) for _ in range(3))
         tables = np.zeros((N, B, W), np.int32)
-        valid, cap = np.zeros((N, B), np.int32), np.zeros((N, B), np.int32)
-        j = np.arange(R)
         for q, rs in enumerate(ranks):
             for i, s in enumerate(rs):
                 if s.num_pending_tokens:
-                    raise RuntimeError("speculative decoding steps run synchronously (no token in flight)")
-                P, c = len(s) - 1, len(s.block_table) * bs
-                d = self._drafts_of(s)
-                # Drafts must fit the blocks the scheduler reserved and leave the sequence within max_model_len.
-                nv = max(0, min(len(d), k, c - len(s), r.max_model_len - len(s) - 1))
-                tokens[q, i, 0], tokens[q, i, 1:1 + nv] = s.token_ids[-1], d[:nv]
-                positions[q, i], sample_pos[q, i] = P + j, P + j + 1
-                lens[q, i] = P + np.minimum(j, nv) + 1
-                slots[q, i, :nv + 1] = r.slots(s.block_table, P + j[:nv + 1])
+                    if prev is None or s.seq_id not in prev.index or s.num_pending_tokens > R or not self.overlaps(s):
+                        raise RuntimeError(f"sequence {s.seq_id}: its pending tokens are not in the step in flight")
+                    rows[q, i] = prev.index[s.seq_id][1]
+                else:
+                    d = self._drafts_of(s)[:k]
+                    host_tokens[q, i, 0], host_tokens[q, i, 1:1 + len(d)], nd[q, i] = s.token_ids[-1], d, len(d)
+                base[q, i], cap[q, i] = len(s) - 1, len(s.block_table) * bs
                 tables[q, i, :len(s.block_table)] = s.block_table
-                valid[q, i], cap[q, i] = nv, c
-        rows = lambda a: a.reshape(N, B * R)  # noqa: E731
-        logits, counts, dispatched, h = r.run_step(self._verify, rows(tokens), rows(positions), rows(slots), tables,
-                                                   rows(lens))
+        if prev is not None and (rows >= 0).any():
+            feed = prev.feed
+        else:  # nothing in flight: the same program on zeros
+            feed = r.rank_arrays(r.buckets.max_decode_batch, R), r.rank_arrays(r.buckets.max_decode_batch)
+        logits, counts, dispatched, h, sample_pos, vtokens, positions, valid = r.run_step(
+            self._verify, *feed, rows, host_tokens, base, nd, tables, cap)
         r.record_stats(counts, dispatched)
-        sampled = r.sample_logits(logits, ranks, B, rows(sample_pos), rows_per_seq=R)
-        drafts, accepted = r.run_step(self._draft, h, sampled[0], tokens, valid, positions, tables, cap)
-        want_top = any(s.params.top_logprobs for s in seqs)
-        host = to_host((sampled[0], sampled[1], drafts, accepted) + ((sampled[2], sampled[3]) if want_top else ()))
-        toks, lps, drafts, accepted = (np.asarray(a) for a in host[:4])
+        sampled = r.sample_logits(logits, ranks, B, sample_pos, rows_per_seq=R)
+        drafts, accepted, *nxt = r.run_step(self._draft, h, sampled[0], vtokens, valid, positions, tables, cap)
+        for s in seqs:
+            s.num_pending_tokens += R  # at most: the step gains 1 to R tokens, known when read
+        index = {s.seq_id: (q, i) for q, rs in enumerate(ranks) for i, s in enumerate(rs)}
+        return SpecStep(list(seqs), ranks, sampled, drafts, accepted, valid, tuple(nxt), index)
+
+    def read(self, step: "SpecStep") -> SpecStepOutput:
+        """Waits for a dispatched step and returns each sequence's accepted drafts and one more token, in
+        ``step.seqs`` order (one device-to-host copy); their latents are now cached."""
+        k, R = self.k, self.R
+        want_top = any(s.params.top_logprobs for s in step.seqs)
+        sampled = step.sampled
+        host = to_host((sampled[0], sampled[1], step.drafts, step.accepted, step.valid)
+                       + ((sampled[2], sampled[3]) if want_top else ()))
+        toks, lps, drafts, accepted, valid = (np.asarray(a) for a in host[:5])
         out = SpecStepOutput([], [], [], accepted_per_pos=np.zeros(k, np.int64))
-        for q, rs in enumerate(ranks):
-            for i, s in enumerate(rs):
-                n, at = int(accepted[q, i]), i * R
-                out.tokens.append(toks[q, at:at + n + 1].astype(np.int64).tolist())
-                out.logprobs.append(lps[q, at:at + n + 1].astype(np.float64).tolist())
-                t = s.params.top_logprobs
-                out.top_logprobs.append([list(zip(host[5][q, at + x, :t].tolist(), host[4][q, at + x, :t].tolist()))
-                                         if t else None for x in range(n + 1)])
+        for s in step.seqs:
+            q, i = step.index[s.seq_id]
+            n, at = int(accepted[q, i]), i * R
+            out.tokens.append(toks[q, at:at + n + 1].astype(np.int64).tolist())
+            out.logprobs.append(lps[q, at:at + n + 1].astype(np.float64).tolist())
+            t = s.params.top_logprobs
+            out.top_logprobs.append([list(zip(host[6][q, at + x, :t].tolist(), host[5][q, at + x, :t].tolist()))
+                                     if t else None for x in range(n + 1)])
+            s.num_pending_tokens -= R
+            if s.block_table:  # not freed since it was dispatched (finished, aborted or preempted)
                 s.num_cached_tokens = len(s) + n  # t_P and the accepted drafts: their latents are cached
                 self.drafts[s] = drafts[q, i]
-                out.num_drafts += int(valid[q, i] > 0)
-                out.num_draft_tokens += int(valid[q, i])
-                out.accepted_per_pos[:n] += 1
-        # Sequences in rank order: back to the caller's order.
-        order = {s.seq_id: x for x, s in enumerate(s for rs in ranks for s in rs)}
-        perm = [order[s.seq_id] for s in seqs]
-        out.tokens, out.logprobs, out.top_logprobs = ([lst[x] for x in perm] for lst in
-                                                      (out.tokens, out.logprobs, out.top_logprobs))
+            out.num_drafts += int(valid[q, i] > 0)
+            out.num_draft_tokens += int(valid[q, i])
+            out.accepted_per_pos[:n] += 1
         return out
+
+    def decode(self, seqs: list[Sequence]) -> SpecStepOutput:
+        """One speculative step run and read at once (async scheduling off)."""
+        return self.read(self.dispatch(seqs))
 
     # ----- start-up compilation ---------------------------------------------------
     def decode_programs(self) -> list:
         """The verify program at every decode bucket (rows B x (k+1)): every decode step is a verify, so the
         runner's decode program never runs."""
         r, R, i32 = self.runner, self.R, self.runner.rank_arrays
-        return [r.step_program(f"spec_verify B={B} W={W}", self._verify, i32(B * R), i32(B * R), i32(B * R),
-                               i32(B, W), i32(B * R), sample_rows=B * R) for B, W in r.buckets.decode_shapes()]
+        pad = r.buckets.max_decode_batch
+        return [r.step_program(f"spec_verify B={B} W={W}", self._verify, i32(pad, R), i32(pad), i32(B), i32(B, R),
+                               i32(B), i32(B), i32(B, W), i32(B), sample_rows=B * R)
+                for B, W in r.buckets.decode_shapes()]
 
     def prefill_input_shapes(self, *shape) -> tuple:
         """The MTP layer's inputs a prefill program takes beside the runner's (following tokens, slots)."""
