@@ -21,6 +21,9 @@ try:
 except Exception:  # jaxlib not installed as a distribution, or an odd version string: the flags as they were
     pass
 os.environ.setdefault("XLA_FLAGS", _XLA_TEST_FLAGS)
+# The servers tests start (moejax serve keeps its executables by default) keep none, and nothing is written
+# under the user's ~/.cache; tests/test_executable_cache.py points it at its own folders.
+os.environ.setdefault("MOEJAX_EXECUTABLE_CACHE_DIR", "off")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # One persistent XLA compilation cache per test process, not shared (many tests compile the same tiny

@@ -96,6 +96,9 @@ def test_a_changed_key_rebuilds_what_depends_on_it(ckpt, cold, cache_dir, caplog
     assert "loaded" not in out2 and builds == len(programs) - len(kept) > 0
     assert any("rebuilding decode" in r.message and "config" in r.message for r in caplog.records)
     assert not any(f"rebuilding {lb}:" in r.message for lb in kept for r in caplog.records)
+    # The start-up line: hits, misses and why rebuilt.
+    summary = [r.message for r in caplog.records if r.message.startswith("executable cache ")]
+    assert summary and f"{len(kept)} loaded, {builds} built" in summary[-1] and "with a changed key: " in summary[-1]
 
 
 def test_a_truncated_or_foreign_entry_is_rebuilt_with_a_warning(ckpt, cold, cache_dir, caplog):
