@@ -160,7 +160,10 @@ def test_min_p_keeps_only_likely_tokens_and_neutral_controls_draw_the_same():
     print("seed", seed)
     rng = np.random.default_rng(seed)
     B, V = 256, 64
-    logits = jnp.asarray((rng.standard_normal((1, V)) * 2).astype(np.float32).repeat(B, 0))
+    lg = (rng.standard_normal(V) * 2).astype(np.float32)
+    top = np.argsort(lg)[-2:]
+    lg[top[0]] = lg[top[1]] - 0.5  # a second token above min_p (0.53 x the top one after temperature 0.8)
+    logits = jnp.asarray(np.repeat(lg[None], B, 0))
     temp = jnp.full(B, 0.8, jnp.float32)
     seeds = jnp.asarray(rng.integers(0, 1 << 32, size=B, dtype=np.uint64).astype(np.uint32))
     pos = jnp.asarray(rng.integers(0, 4096, size=B), jnp.int32)
