@@ -381,3 +381,50 @@ def test_async_preemption_and_abort(ckpt):
     while eng._in_flight is not None:  # the step dispatched with seqs[1] before its end was read: discarded
         eng.step()
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_step_inputs_fed_on_device_equal_the_hosts(ckpt):
+    """The verify's inputs built on the device (SpecDecoder._step_inputs), k = 2, random states (seed
+    recorded): a row fed from the step in flight (n of its drafts accepted, 0..k) equals the row the host
+    builds once it has appended those n + 1 tokens, and both equal the NumPy construction (drafts cut to the
+    blocks held and to max_model_len; padding rows write nothing)."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"step inputs seed {seed}")
+    rng = np.random.default_rng(seed)
+    drafter = _load(ckpt, 2, **FP8_KV).engine.runner.proposer
+    r, k, R = drafter.runner, drafter.k, drafter.R
+    bs, mml, pad, B, W = r.block_size, r.max_model_len, r.buckets.max_decode_batch, 4, 8
+    build = jax.jit(drafter._step_inputs)
+    prev_tokens = rng.integers(0, V, (pad, R)).astype(np.int32)
+    prev_n = rng.integers(0, R, pad).astype(np.int32)
+    rows = rng.permutation(pad)[:B].astype(np.int32)
+    L = rng.integers(2, mml - 2 * R, B).astype(np.int32)  # host lengths (the in-flight step's tokens not appended)
+    L[0] = mml - R - prev_n[rows[0]]  # a row whose drafts max_model_len cuts
+    nblk = np.minimum(-(-(L + prev_n[rows] + 1 + rng.integers(0, 2 * k, B)) // bs), W)
+    tables = np.zeros((B, W), np.int32)
+    for i in range(B):
+        tables[i, :nblk[i]] = rng.permutation(r.num_blocks)[:nblk[i]]
+    cap = (nblk * bs).astype(np.int32)
+    tables[B - 1], cap[B - 1], L[B - 1], rows[B - 1] = 0, 0, 1, -1  # a padding row
+    host = np.zeros((B, R), np.int32)
+    fed = build(prev_tokens, prev_n, rows, host, L - 1, np.zeros(B, np.int32), tables, cap)
+    # The host's rows after appending the accepted tokens: last token and drafts from the step's outputs.
+    P = np.where(rows >= 0, L + prev_n[np.maximum(rows, 0)], 0)
+    host[rows >= 0] = prev_tokens[rows[rows >= 0]]
+    nd = np.where(rows >= 0, k, 0).astype(np.int32)
+    own = build(prev_tokens, prev_n, np.full(B, -1, np.int32), host, P.astype(np.int32), nd, tables, cap)
+    for a, b in zip(fed, own):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tokens, positions, slots, lens, valid = (np.asarray(a) for a in fed)
+    for i in range(B):
+        n_len = P[i] + 1
+        nv = max(0, min(nd[i], cap[i] - n_len, mml - n_len - 1))
+        want_slots = np.full(R, r.num_slots)
+        if cap[i]:
+            want_slots[:nv + 1] = r.slots(tables[i], P[i] + np.arange(nv + 1))
+        assert valid[i] == nv, (i, nv)
+        np.testing.assert_array_equal(tokens[i], np.where(np.arange(R) <= nv, host[i], 0))
+        np.testing.assert_array_equal(positions[i], P[i] + np.arange(R))
+        np.testing.assert_array_equal(lens[i], P[i] + np.minimum(np.arange(R), nv) + 1)
+        np.testing.assert_array_equal(slots[i], want_slots)
+    assert valid[0] == k - 1 and valid[B - 1] == 0 and (slots[B - 1] == r.num_slots).all()
