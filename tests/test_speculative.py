@@ -4,7 +4,8 @@ models, "auto" and FP8 KV cache, k = 1 and 2, prefix-cache hits, chunked prompts
 limits); the accept path driven for real by injected drafts (always right: ~1/(k+1) of the steps; always
 wrong: as many steps as without speculation), with stops and limits inside accepted runs; the sampled
 distribution at a drafted position (chi-square against the model's own probabilities); dp8-ep8 with DBO
-on 8 host devices; async scheduling accepted (runs the steps synchronously); start-up compilation
+on 8 host devices; async scheduling (step N+1 fed on the device from step N, read after N+1 is
+dispatched) against the synchronous loop with stops mid-run, preemption and aborts; start-up compilation
 covering every speculative program; bad configurations refused naming the field.
 
 The checkpoint is v3-tiny with its MTP layer (``num_nextn_predict_layers`` 1), random weights of std 0.1

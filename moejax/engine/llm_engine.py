@@ -15,6 +15,10 @@ blocks are freed at once: every later write to them is dispatched after t+1's). 
 whose in-flight token must end it by length is not scheduled again. Each call returns one
 decode step's sequences, exactly those and the tokens the synchronous loop gives.
 
+Speculative decode steps (engine/speculative.py) overlap the same way: step t+1's verify inputs are
+built on the device from step t's accepted counts and drafts, and each sequence in flight counts
+k + 1 tokens pending (the most a step gains) until it is read.
+
 The loop synchronises (reads the step in flight before scheduling) when a prefill could
 come next: a prefill is built from the host's tokens (a preempted sequence's included) and
 runs synchronously, as with async scheduling off.

@@ -33,9 +33,15 @@ taken by the scheduler only from free ones and are kept for the sequence's next 
 
 After a prefill the MTP layer's rows of the chunk are written in the same program (tokens shifted by
 one; the last prompt row needs the sampled token), then ``after_prefill`` writes that row and drafts the
-first k tokens. Drafts go through the host (k ints a sequence), so batches may be reordered freely and
-tests can inject drafts (``draft_override``). Decode steps with speculation run synchronously (async
-scheduling's overlap does not apply to them).
+first k tokens.
+
+With async scheduling the engine dispatches step N+1 before it reads step N (``dispatch`` / ``read``, as
+the runner's plain decode): a sequence still in flight is fed on the device (``_step_inputs``, inside the
+verify program) from N's draft program's feed (its last accepted token and drafts, its accepted count),
+and counts R = k + 1 tokens pending (the most N gains) until read, so the scheduler reserves blocks for
+both steps. The others (after a prefill, a preemption, a step held back) are fed from the host's tokens
+and drafts (``drafts``: k ints a sequence, kept when read), so batches may be reordered freely and tests
+can inject drafts (``draft_override``, which ``overlaps`` then refuses).
 """
 
 from __future__ import annotations
