@@ -199,7 +199,7 @@ class Program:
         self.roots: dict[str, str] = {}
         self.entry = None
         tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
-        section, comp = None, None
+        section, comp, cname = None, None, None
         for line in hlo_text.splitlines():
             if comp is not None:
                 m = _INSTR.match(line)

@@ -43,7 +43,7 @@ from moejax.engine.sample_controls import ControlState
 from moejax.engine.speculative import SpecDecoder
 from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
-from moejax.layers.sampler import MAX_TOP_LOGPROBS, SampleMode, read_history, record, sample
+from moejax.layers.sampler import SampleMode, read_history, record, sample
 from moejax.parallel.processes import agree_min, to_host
 from moejax.parallel.sharding import RANK, REPLICATED, param_specs
 from moejax.structured_output import peek_pending

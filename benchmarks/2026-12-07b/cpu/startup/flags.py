@@ -1,7 +1,7 @@
 """Per-family trace and XLA compile seconds of a small tiny-default config, and the decode step time, under $XLA_FLAGS."""
 import collections, os, sys, time, json
 sys.path.insert(0, "/work/main")
-import moejax, jax
+import moejax
 from moejax.engine.sampling_params import SamplingParams
 from moejax.tiny.default_model import default_model_path
 m = moejax.load(default_model_path(), max_num_seqs=8, max_model_len=256, max_prefill_tokens=256, compilation_cache_dir="off", progress=False)
