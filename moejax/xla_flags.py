@@ -27,6 +27,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import warnings
+from importlib.metadata import version
+
+import jax
 
 from jax._src import xla_bridge  # whether a backend exists (no public API); importing jax starts none
 
@@ -43,8 +46,6 @@ def cpu_only(env=os.environ) -> bool:
     """Whether JAX runs on the CPU here, decided without starting a backend (jax.distributed.initialize
     must come first in a multi-process job): JAX_PLATFORMS, else the backends already started, else
     whether a GPU plugin is installed."""
-    import jax
-
     platforms = (env.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").strip().lower()
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
@@ -55,8 +56,6 @@ def cpu_only(env=os.environ) -> bool:
 
 def _jaxlib_minor() -> tuple[int, int] | None:
     try:
-        from importlib.metadata import version
-
         return tuple(int(x) for x in version("jaxlib").split(".")[:2])
     except Exception:  # noqa: BLE001 - not installed as a distribution, or an odd version: no versioned flag
         return None
