@@ -44,12 +44,14 @@ def expected_tokens(a: float, k: int) -> float:
     return float(sum(a ** i for i in range(k + 1)))
 
 
-def time_point(hf, params, a, batch: int, k: int) -> dict:
-    """Engine decode step times at (batch, k): the batch filled at --input-len, steps that compiled not timed."""
+def time_point(hf, params, a, batch: int, k: int, overlap: bool = True) -> dict:
+    """Engine decode step times at (batch, k): the batch filled at --input-len, steps that compiled not timed;
+    ``overlap``: async scheduling (step N+1 dispatched before step N's tokens are read) or synchronous."""
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     max_len = a.input_len + a.warmup + a.steps + 2 * (k + 1) + 16
     m = random_model(hf, **engine_settings(a), kernels=a.kernels, params=params, max_model_len=max_len,
                      max_num_seqs=batch, num_kv_blocks=batch * -(-max_len // 16) + batch * (k + 1),
+                     async_scheduling=overlap,
                      speculative_config=spec, kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype])
     eng = m.engine
     rng = np.random.default_rng(0)
@@ -70,7 +72,7 @@ def time_point(hf, params, a, batch: int, k: int) -> dict:
             tokens.append(sum(s.num_output_tokens for s in seqs) - n0)
     times, tokens = times[a.warmup:], tokens[a.warmup:]
     step = float(np.median(times))
-    out = {"batch": batch, "k": k, "step_ms": step * 1e3, "measured_tok_per_s": float(np.sum(tokens) / np.sum(times)),
+    out = {"batch": batch, "k": k, "scheduling": "async" if overlap else "sync", "step_ms": step * 1e3, "measured_tok_per_s": float(np.sum(tokens) / np.sum(times)),
            "projected_tok_per_s": {str(r): batch * expected_tokens(r, k) / step for r in a.acceptance}}
     del m, eng, seqs
     gc.collect()  # the engine's reference cycles hold the KV cache: free it before the next point
@@ -94,6 +96,8 @@ def main(argv=None):
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--acceptance", default="0.6,0.8,0.9", help="per-position acceptance rates to project")
+    ap.add_argument("--scheduling", default="async",
+                    help="comma list of async (steps overlapped, the default) and sync: one row each")
     ap.add_argument("--json", default=None)
     add_engine_flags(ap)  # --dtype, --moe-kernel, --mla-kernel, --fp8-fast-accum, ... (moejax/engine_args.py)
     a = ap.parse_args(argv)
@@ -103,6 +107,9 @@ def main(argv=None):
         print_depth_projection(runs, a.depth, a.acceptance)
         return runs
     batches, ks = [int(x) for x in a.batch.split(",")], [int(x) for x in a.k.split(",")]
+    modes = a.scheduling.split(",")
+    if not set(modes) <= {"async", "sync"}:
+        raise SystemExit(f"--scheduling takes async and/or sync, not {a.scheduling!r}")
     layer_counts = [None] if a.layers is None else [int(x) for x in a.layers.split(",")]
     runs = []
     for layers in layer_counts:
@@ -114,11 +121,11 @@ def main(argv=None):
               "(random weights accept nothing): B x sum_{i<=k} a^i / step time")
         rows = []
         for b in batches:
-            for k in ks:
-                r = time_point(hf, params, a, b, k)
+            for k, mode in ((k, m) for k in ks for m in modes):
+                r = time_point(hf, params, a, b, k, overlap=mode == "async")
                 rows.append(r)
                 proj = "  ".join(f"a={x}: {v:9.1f}" for x, v in r["projected_tok_per_s"].items())
-                print(f"B={b:4d} k={k}  step {r['step_ms']:8.3f} ms  measured {r['measured_tok_per_s']:9.1f} tok/s  "
+                print(f"B={b:4d} k={k} {mode:5s}  step {r['step_ms']:8.3f} ms  measured {r['measured_tok_per_s']:9.1f} tok/s  "
                       f"projected tok/s {proj}", flush=True)
         runs.append({"preset": a.preset, "layers": cfg.num_hidden_layers, "input_len": a.input_len,
                      "kv_dtype": a.kv_dtype, "device": jax.devices()[0].device_kind, "acceptance": a.acceptance,
@@ -136,14 +143,14 @@ def main(argv=None):
 
 
 def fit_depth(runs: list[dict]) -> dict:
-    """{(batch, k): (fixed s, per-layer s)}: a least-squares line through each point's step time against the
+    """{(batch, k, scheduling): (fixed s, per-layer s)}: a least-squares line through each point's step time against the
     layer count, over runs at two or more layer counts (the MTP layer, lm_head and sampling are fixed)."""
     if len({r["layers"] for r in runs}) < 2:
         raise SystemExit("a depth projection needs runs at two or more layer counts (--layers A,B)")
     pts: dict = {}
     for r in runs:
         for row in r["rows"]:
-            pts.setdefault((row["batch"], row["k"]), []).append((r["layers"], row["step_ms"] * 1e-3))
+            pts.setdefault((row["batch"], row["k"], row.get("scheduling", "sync")), []).append((r["layers"], row["step_ms"] * 1e-3))
     out = {}
     for key, xy in pts.items():
         if len({x for x, _ in xy}) < 2:
@@ -160,15 +167,15 @@ def print_depth_projection(runs: list[dict], depth: int, acceptance: list[float]
     print(f"\nPROJECTION to {depth} layers (fixed + per-layer cost fitted over layers "
           f"{sorted({r['layers'] for r in runs})}, {runs[0]['device']}): step, ratio to k=0, tok/s vs k=0")
     out = []
-    for (b, k), (fixed, per) in sorted(fits.items()):
+    for (b, k, mode), (fixed, per) in sorted(fits.items()):
         step = fixed + per * depth
-        plain = fits.get((b, 0))
+        plain = fits.get((b, 0, mode))
         ratio = step / (plain[0] + plain[1] * depth) if plain else float("nan")
         gains = {str(x): expected_tokens(x, k) / ratio for x in acceptance}
-        out.append({"batch": b, "k": k, "fixed_ms": fixed * 1e3, "per_layer_ms": per * 1e3,
+        out.append({"batch": b, "k": k, "scheduling": mode, "fixed_ms": fixed * 1e3, "per_layer_ms": per * 1e3,
                     "step_ms": step * 1e3, "ratio_to_plain": ratio, "tok_s_vs_plain": gains})
         g = "  ".join(f"a={x}: {v:.2f}x" for x, v in gains.items())
-        print(f"B={b:4d} k={k}  fixed {fixed * 1e3:7.3f} ms + {per * 1e3:6.3f} ms/layer -> {step * 1e3:8.2f} ms  "
+        print(f"B={b:4d} k={k} {mode:5s}  fixed {fixed * 1e3:7.3f} ms + {per * 1e3:6.3f} ms/layer -> {step * 1e3:8.2f} ms  "
               f"x{ratio:5.2f} plain  tok/s {g}")
     return out
 

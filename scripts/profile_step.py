@@ -621,14 +621,16 @@ def compile_programs(calls) -> list[Program]:
 def profile(a) -> dict:
     if a.kernels not in ("auto", "pallas", "xla"):
         raise SystemExit(f"--kernels: {a.kernels!r} is not one of auto, pallas, xla")
-    hf = bench_hf_config(a.preset, a.layers, a.set)
+    k = a.speculative_tokens
+    hf = bench_hf_config(a.preset, a.layers, a.set, **({"num_nextn_predict_layers": 1} if k else {}))
     cfg = parse_model_config(hf)
-    a.output_len = a.warmup + a.steps + 8  # the batch stays full through every step
+    a.output_len = (a.warmup + a.steps + 8) * (k + 1)  # the batch stays full through every step
     t0 = time.perf_counter()
     # The synchronous loop: each annotated step is one whole step (with the engine's default async loop a
     # step's span is the host's call while the device runs the one before, so spans and per-step sums
     # would not line up); the gaps it shows are the host time the async loop hides.
-    m, eng, seqs = build_decode_batch(hf, "none", a.kernels, a, a.weight_dtype, async_scheduling=False)
+    m, eng, seqs = build_decode_batch(hf, "none", a.kernels, a, a.weight_dtype, async_scheduling=False,
+                                      speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None)
     for _ in range(a.warmup):  # compiles the step and the sampler
         kind, _ = eng.step()
         assert kind == "decode", kind
@@ -706,6 +708,8 @@ def main(argv=None) -> dict:
                     help="how the batch's cache is filled before the steps (bench_decode --fill)")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--weight-dtype", default="bf16", help="bf16 / fp8 / fp8:<layer types joined by +>")
+    ap.add_argument("--speculative-tokens", type=int, default=0,
+                    help="MTP draft tokens a step (the preset's MTP layer added): a speculative step is profiled")
     ap.add_argument("--trace-dir", default=None, help="keep the trace here (Perfetto / TensorBoard)")
     ap.add_argument("--top", type=int, default=25, help="rows of the per-op table")
     ap.add_argument("--json", default=None, help="write the tables (every op) and the step's numbers here")

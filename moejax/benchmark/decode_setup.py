@@ -49,6 +49,8 @@ def engine_settings(a) -> dict:
 # The engine's jitted programs one decode step may call (ModelRunner attributes): the step, the
 # sampler over its logits, and the on-device gather of the previous step's tokens (async scheduling).
 STEP_PROGRAMS = {"decode": "_decode", "sample": "_sample", "feed": "_feed"}
+# A speculative step's programs instead (the proposer's attributes, engine/speculative.py).
+PROPOSER_PROGRAMS = {"spec_verify": "_verify", "spec_draft": "_draft", "spec_draft_first": "_draft_first"}
 
 
 def bench_hf_config(name: str, layers: int | None = None, sets=(), **fields) -> dict:
@@ -126,12 +128,13 @@ def fill_without_prefill(eng, seed: int = 0) -> None:
     runner.cache.block_until_ready()
 
 
-def build_decode_batch(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=True):
+def build_decode_batch(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=True, speculative_config=None):
     """The engine at the point, its batch admitted and prefilled (``a.fill``: "prefill" runs the real
     prefill, "random" fills the cache without it), ready for decode steps. ``a`` carries dtype,
     fp8_variant, kv_dtype ("bf16" / "fp8"), concurrency (over the node), input_len, output_len, fill.
     Weights are generated once per weight format and reused; every other engine setting from ``a``
-    (``engine_settings``). Returns (model, engine, sequences)."""
+    (``engine_settings``); ``speculative_config`` as moejax.load's (``hf`` then needs its MTP layer).
+    Returns (model, engine, sequences)."""
     if weight_dtype not in _PARAMS:
         _PARAMS.clear()  # one weight format's weights on the device at a time
         gc.collect()
@@ -140,12 +143,13 @@ def build_decode_batch(hf, parallel, kernels, a, weight_dtype="bf16", async_sche
         _PARAMS[weight_dtype] = random_device_params(cfg, a.dtype, fp8=fp8)
     ranks = 1 if parallel == "none" else ParallelConfig.load(parallel).num_ranks
     per_rank = -(-a.concurrency // ranks)  # --concurrency is over the node; sizes below are per rank
+    spare = per_rank * (speculative_config or {}).get("num_speculative_tokens", 0)  # the drafts' rows
     m = random_model(hf, parallel=None if parallel == "none" else parallel, kernels=kernels,
                      params=_PARAMS[weight_dtype], **weight_kw(weight_dtype), **engine_settings(a),
                      kv_cache_dtype={"bf16": "auto", "fp8": "fp8"}[a.kv_dtype],
                      max_model_len=a.input_len + a.output_len + 16, max_num_seqs=per_rank,
-                     num_kv_blocks=per_rank * (-(-(a.input_len + a.output_len + 16) // 16)),
-                     async_scheduling=async_scheduling)
+                     num_kv_blocks=per_rank * (-(-(a.input_len + a.output_len + 16) // 16)) + spare,
+                     async_scheduling=async_scheduling, speculative_config=speculative_config)
     eng = m.engine
     rng = np.random.default_rng(0)
     seqs = [eng.add_request(rng.integers(2, m.config.model.vocab_size, size=a.input_len).tolist(),
@@ -161,8 +165,11 @@ def capture_step_programs(eng) -> list[tuple[str, object, tuple, dict]]:
     """Runs one more engine step and returns every compiled program it called, in call order:
     (name in STEP_PROGRAMS, the jitted function, the arguments, the keywords). ``fn.lower(*args,
     **kw).compile()`` then gives the program that ran (from JAX's cache: nothing is built again)."""
-    r, calls = eng.runner, []
-    real = {name: getattr(r, attr) for name, attr in STEP_PROGRAMS.items()}
+    calls = []
+    owners = [(eng.runner, STEP_PROGRAMS)]
+    if not eng.runner.proposer.own_decode:  # speculative: the proposer's programs too
+        owners.append((eng.runner.proposer, PROPOSER_PROGRAMS))
+    real = {name: getattr(o, attr) for o, table in owners for name, attr in table.items()}
 
     def capture(name):
         def call(*args, **kw):
@@ -170,13 +177,15 @@ def capture_step_programs(eng) -> list[tuple[str, object, tuple, dict]]:
             return real[name](*args, **kw)
         return call
 
-    for name, attr in STEP_PROGRAMS.items():
-        setattr(r, attr, capture(name))
+    for o, table in owners:
+        for name, attr in table.items():
+            setattr(o, attr, capture(name))
     try:
         eng.step()
     finally:
-        for name, attr in STEP_PROGRAMS.items():
-            setattr(r, attr, real[name])
+        for o, table in owners:
+            for name, attr in table.items():
+                setattr(o, attr, real[name])
     return calls
 
 
