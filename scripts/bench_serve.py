@@ -102,9 +102,9 @@ def sharegpt_requests(tok, path: str, num: int, output_len: int | None, seed: in
 # ----- one request -------------------------------------------------------------------------
 
 async def send_request(session: aiohttp.ClientSession, url: str, model: str, req: SampleRequest, chat: bool,
-                       ignore_eos: bool, temperature: float, pbar=None) -> RequestOutput:
+                       ignore_eos: bool, temperature: float, pbar=None, extra: dict | None = None) -> RequestOutput:
     payload = {"model": model, "max_tokens": req.expected_output_len, "temperature": temperature,
-               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+               "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, **(extra or {})}
     if chat:
         content = req.prompt if isinstance(req.prompt, str) else None
         if content is None:
@@ -238,7 +238,7 @@ async def benchmark(a, reqs: list[SampleRequest]) -> dict:
                 model = (await r.json())["data"][0]["id"]
         if not a.skip_test_run:
             test = await send_request(session, url, model, dataclasses.replace(reqs[0], expected_output_len=min(
-                reqs[0].expected_output_len, 8)), chat, a.ignore_eos, a.temperature)
+                reqs[0].expected_output_len, 8)), chat, a.ignore_eos, a.temperature, extra=a.extra_body)
             if not test.success:
                 raise RuntimeError(f"the initial test request failed: {test.error}")
         before = await scrape(session, base)
@@ -248,9 +248,9 @@ async def benchmark(a, reqs: list[SampleRequest]) -> dict:
 
         async def limited(r):
             if sem is None:
-                return await send_request(session, url, model, r, chat, a.ignore_eos, a.temperature, pbar)
+                return await send_request(session, url, model, r, chat, a.ignore_eos, a.temperature, pbar, a.extra_body)
             async with sem:
-                return await send_request(session, url, model, r, chat, a.ignore_eos, a.temperature, pbar)
+                return await send_request(session, url, model, r, chat, a.ignore_eos, a.temperature, pbar, a.extra_body)
 
         t0 = time.perf_counter()
         tasks = []
@@ -279,7 +279,7 @@ async def benchmark(a, reqs: list[SampleRequest]) -> dict:
     m.update({"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if chat else "openai",
               "model_id": model, "base_url": base, "endpoint": a.endpoint, "dataset_name": a.dataset_name,
               "num_prompts": len(reqs), "request_rate": a.request_rate if a.request_rate != float("inf") else "inf",
-              "max_concurrency": a.max_concurrency, "ignore_eos": a.ignore_eos,
+              "max_concurrency": a.max_concurrency, "ignore_eos": a.ignore_eos, "extra_body": a.extra_body,
               "percentile_metrics": a.percentile_metrics, "metric_percentiles": a.metric_percentiles,
               "input_lens": [o.prompt_len for o in outs], "output_lens": [o.output_tokens for o in outs],
               "ttfts": [o.ttft for o in outs], "itls": [o.itl for o in outs],
@@ -337,6 +337,8 @@ def parser() -> argparse.ArgumentParser:
                     help="requests per second (inf: all at once; otherwise Poisson arrivals)")
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                    help='fields added to every request (vLLM\'s flag), e.g. \'{"repetition_penalty": 1.1}\'')
     ap.add_argument("--dataset-name", choices=["random", "sharegpt"], default="random")
     ap.add_argument("--dataset-path", default=None)
     ap.add_argument("--random-input-len", type=int, default=1024)
@@ -356,6 +358,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     a = parser().parse_args(argv)
+    if a.extra_body is not None and not isinstance(a.extra_body, dict):
+        raise SystemExit(f"--extra-body must be a JSON object, not {a.extra_body!r}")
     if a.base_url is None:
         a.base_url = f"http://{a.host}:{a.port}"
     tok_path = a.tokenizer or (a.model if a.model and os.path.isdir(a.model) else None)
