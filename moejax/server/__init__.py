@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP serving for moejax (aiohttp).
 
 - ``async_engine``: drives the LLMEngine from one background thread, streams tokens to asyncio.
-- ``protocol``: request validation -> SamplingParams, OpenAI response / chunk builders, errors.
+- ``protocol``: request validation -> SamplingParams, the tokenizer endpoints, errors.
+- ``responses``: OpenAI response bodies, stream chunks and the logprobs layouts (echo, prompt_logprobs).
 - ``metrics``: Prometheus text exposition with vLLM's metric names.
 - ``app``: the aiohttp routes.
 """

@@ -30,7 +30,7 @@ from aiohttp import web
 
 import moejax
 from moejax.engine import parallel_sampling
-from moejax.server import protocol
+from moejax.server import protocol, responses
 from moejax.server.access import AccessPolicy, access_middleware, add_cors_headers
 from moejax.server.app_keys import CTX_KEY, ENGINE_KEY, STATE_KEY
 from moejax.server.async_engine import AsyncEngine, EngineDeadError, TokenEvent
@@ -137,7 +137,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             return await _stream(request, req, streams, aengine, ctx)
         outputs = await asyncio.gather(*(_collect(request, s, aengine) for s in streams))
         outputs = protocol.sample_outputs(req, list(outputs))
-        body = protocol.full_response(req, _response_id(request, req), outputs, ctx.tokenizer)
+        body = responses.full_response(req, _response_id(request, req), outputs, ctx.tokenizer)
         return web.json_response(body)
     finally:
         for stream in streams:
@@ -146,7 +146,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 stream.abort()  # the client went away (or the handler failed): free the sequence
 
 
-async def _collect(request, stream, aengine) -> protocol.Output:
+async def _collect(request, stream, aengine) -> responses.Output:
     """One sequence's tokens until it finishes (a gone client or a dead engine raise)."""
     ids, lps, tops, prompt_lps = [], [], [], None
     while True:
@@ -168,11 +168,11 @@ async def _collect(request, stream, aengine) -> protocol.Output:
         if ev.finish_reason is not None:
             if ev.finish_reason == "abort":
                 raise APIError("the request was aborted", 500, type_="internal_server_error")
-            return protocol.Output(ev.text, ids, lps, tops, ev.finish_reason, ev.cumulative_logprob, prompt_lps)
+            return responses.Output(ev.text, ids, lps, tops, ev.finish_reason, ev.cumulative_logprob, prompt_lps)
 
 
 def _response_id(request: web.Request, req: protocol.ParsedRequest) -> str:
-    return protocol.new_id(req.chat, req.request_id or request.headers.get("X-Request-Id"))
+    return responses.new_id(req.chat, req.request_id or request.headers.get("X-Request-Id"))
 
 
 def _sse(obj) -> bytes:
@@ -219,12 +219,12 @@ async def _stream_body(request, resp, req, streams, aengine, ctx) -> None:
     n_out = 0
     if req.chat:
         for c in choices:
-            await resp.write(_sse(protocol.stream_chunk(req, rid, created, None, [], None, None, ctx.tokenizer,
+            await resp.write(_sse(responses.stream_chunk(req, rid, created, None, [], None, None, ctx.tokenizer,
                                                         first=True, completion_tokens=0, index=c.index)))
     waiting = {c.next(): c for c in choices}
     prompt_lps = None
     # an echo's completion offsets follow its prompt tokens' strings (the whole response's text_offset rule)
-    echo_offset = sum(len(protocol.token_str(ctx.tokenizer, t, req.tokens_as_ids)) for t in req.prompt_ids) \
+    echo_offset = sum(len(responses.token_str(ctx.tokenizer, t, req.tokens_as_ids)) for t in req.prompt_ids) \
         if req.echo else 0
     try:
         while waiting:
@@ -257,7 +257,7 @@ async def _stream_body(request, resp, req, streams, aengine, ctx) -> None:
                     if req.params.prompt_logprobs is not None and plp is None:
                         return await _end_with_error(resp, "prompt logprobs are not served by this server's engine",
                                                      400)
-                    await resp.write(_sse(protocol.echo_chunk(req, rid, created, ctx.tokenizer, plp, c.index)))
+                    await resp.write(_sse(responses.echo_chunk(req, rid, created, ctx.tokenizer, plp, c.index)))
                 offset = len(c.detok.sent) + echo_offset
                 # echo with max_tokens 0: the token the prefill sampled is not part of the answer
                 toks = [] if req.echo_only else [e for e in events if e.token_id is not None]
@@ -267,7 +267,7 @@ async def _stream_body(request, resp, req, streams, aengine, ctx) -> None:
                 if ev.finish_reason is not None and not req.echo_only:
                     delta += c.detok.finish(ev.text)  # the engine's final text: stop strings already cut
                 finish = "length" if req.echo_only and ev.finish_reason else ev.finish_reason  # max_tokens 0
-                chunk = protocol.stream_chunk(req, rid, created, delta, ids, lps if ids else None,
+                chunk = responses.stream_chunk(req, rid, created, delta, ids, lps if ids else None,
                                               finish, ctx.tokenizer, text_offset=offset, tops=tops,
                                               completion_tokens=n_out, parser=c.parser, index=c.index)
                 await resp.write(_sse(chunk))
@@ -277,7 +277,7 @@ async def _stream_body(request, resp, req, streams, aengine, ctx) -> None:
         for fut in waiting:
             fut.cancel()
     if req.include_usage:
-        await resp.write(_sse(protocol.usage_chunk(req, rid, created, n_out)))
+        await resp.write(_sse(responses.usage_chunk(req, rid, created, n_out)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
 

@@ -84,8 +84,7 @@ class _Sampling(_Body):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
-    # accepted only at their neutral values (protocol.py says which)
-    best_of: Count | None = None
+    best_of: Count | None = None  # sequences run a prompt, its n best returned (engine/parallel_sampling.py)
     # vLLM's sampling and extra params; typed Any where only the neutral value is taken, so the
     # refusal names the field whatever the value's type
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
