@@ -6,6 +6,7 @@ import pytest
 
 from moejax.config import EngineConfig
 from moejax.engine.model_runner import HOST_CACHE_BYTES, STEP_RESERVE_BYTES, default_num_blocks
+from moejax.engine.sample_controls import history_bytes
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim
 from moejax.models.registry import load_model_config, parse_model_config
 from moejax.tiny.presets import preset
@@ -117,7 +118,7 @@ def test_gpu_memory_utilization_sizes_the_cache(monkeypatch):
     u_lo, u_hi = float(rng.uniform(0.3, 0.6)), float(rng.uniform(0.7, 1.0))
     assert EngineConfig.create(cfg).cache.gpu_memory_utilization == 0.9  # vLLM's default
     assert EngineConfig.create(cfg, max_preemptions=0).scheduler.max_preemptions == 0
-    confs = {u: EngineConfig.create(cfg, dtype="float32", max_model_len=256, max_num_seqs=10**7,
+    confs = {u: EngineConfig.create(cfg, dtype="float32", max_model_len=2048, max_num_seqs=2**18,
                                     gpu_memory_utilization=u) for u in (u_lo, u_hi)}
     c = confs[u_lo]
     per_block = (cfg.num_hidden_layers * c.cache.block_size * cache_row_dim(cfg.kv_cache_dim, "auto")
@@ -129,7 +130,7 @@ def test_gpu_memory_utilization_sizes_the_cache(monkeypatch):
     monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [_FakeDevice(stats)])
     got = {u: default_num_blocks(conf) for u, conf in confs.items()}
     for u, n in got.items():
-        assert n == (int(u * limit) - in_use - STEP_RESERVE_BYTES) // per_block
+        assert n == (int(u * limit) - in_use - STEP_RESERVE_BYTES - history_bytes(2**18, cfg.vocab_size)) // per_block
     assert got[u_hi] > got[u_lo]
     stats["bytes_in_use"] = int(u_lo * limit) - STEP_RESERVE_BYTES - per_block  # room for less than a sequence
     with pytest.raises(ValueError, match="gpu_memory_utilization"):

@@ -39,7 +39,7 @@ from moejax.engine import prompt_logprobs
 from moejax.engine.buckets import Buckets, next_pow2, powers_of_two, token_bucket
 from moejax.engine.sequence import Sequence
 from moejax.engine.proposer import Proposer
-from moejax.engine.sample_controls import ControlState
+from moejax.engine.sample_controls import ControlState, history_bytes
 from moejax.engine.speculative import SpecDecoder
 from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
@@ -77,8 +77,9 @@ def default_num_blocks(config: EngineConfig) -> int:
     want = sched.max_num_seqs * per_seq
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
+        # the sampling controls' History (rows: Buckets.max_decode_batch) is allocated after the cache
         budget = (int(cache.gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
-                  - STEP_RESERVE_BYTES)
+                  - STEP_RESERVE_BYTES - history_bytes(next_pow2(sched.max_num_seqs), cfg.vocab_size))
     else:
         budget = HOST_CACHE_BYTES  # host memory: keep the cache modest
     # Every process must size its cache the same (the engine is the same everywhere): the smallest.

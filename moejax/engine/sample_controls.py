@@ -29,6 +29,19 @@ from moejax.layers.sampler import (MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT
 from moejax.parallel.sharding import RANK
 
 LOAD_CHUNK = 1024  # tokens of a history row rebuilt in one call (one compiled shape)
+HISTORY_DTYPE = jnp.int32
+
+
+def history_shapes(num_ranks: int, rows: int, vocab_size: int) -> tuple:
+    """The History's arrays: counts [N, rows, V] and the recent tokens [N, rows, RECENT]."""
+    return (num_ranks, rows, vocab_size), (num_ranks, rows, RECENT)
+
+
+def history_bytes(rows: int, vocab_size: int) -> int:
+    """One rank's History in device bytes (``rows``: the largest decode batch). The KV cache's memory plan
+    leaves them free: the History is allocated when a request first uses a control that needs it, after
+    the cache has taken what it was given."""
+    return sum(int(np.prod(s[1:])) for s in history_shapes(1, rows, vocab_size)) * jnp.dtype(HISTORY_DTYPE).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,12 +298,10 @@ class ControlState:
                                         "sample_history_load")
 
     def _shapes(self):
-        r = self.runner
-        N, S = r.num_ranks, self.rows.num_rows
-        return ((N, S, self.vocab), (N, S, RECENT))
+        return history_shapes(self.runner.num_ranks, self.rows.num_rows, self.vocab)
 
     def _abstract_history(self) -> History:
-        return History(*(self.runner.abstract(s, jnp.int32) for s in self._shapes()))
+        return History(*(self.runner.abstract(s, HISTORY_DTYPE) for s in self._shapes()))
 
     def abstract(self, mode, rows: int) -> tuple:
         """The controls and History arguments of the sampler in ``mode`` over ``rows`` rows (precompile's)."""
@@ -313,7 +324,7 @@ class ControlState:
         controls, rebuild = step_arrays(ranks, B, self.vocab, self.rows, _kept, rows_per_seq)
         if self.history is None:
             r = self.runner
-            make = lambda: History(*(jnp.zeros(s, jnp.int32) for s in self._shapes()))  # noqa: E731
+            make = lambda: History(*(jnp.zeros(s, HISTORY_DTYPE) for s in self._shapes()))  # noqa: E731
             self.history = (make() if r.mesh is None else
                             jax.jit(make, out_shardings=NamedSharding(r.mesh, RANK))())
         N = self.runner.num_ranks
