@@ -75,7 +75,7 @@ def parse_log(lines: list[str], t_start_wall: float) -> dict:
             "trace_lower_s": round(span - built - loaded, 2)}  # the rest of the precompile span
 
 
-def one_run(server_args: list[str], cache_dir: str, timeout: float) -> dict:
+def one_run(server_args: list[str], cache_dir: str, timeout: float, keep_log: str | None = None) -> dict:
     port = free_port()
     env = dict(os.environ, MOEJAX_COMPILATION_CACHE_DIR=os.path.join(cache_dir, "jax"),
                MOEJAX_EXECUTABLE_CACHE_DIR=os.path.join(cache_dir, "executables"))
@@ -101,7 +101,11 @@ def one_run(server_args: list[str], cache_dir: str, timeout: float) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
     log.seek(0)
-    lines = log.read().split("\n")  # not splitlines: the bar's carriage returns would cut a line
+    text = log.read()
+    if keep_log:
+        with open(keep_log, "w") as f:
+            f.write(text)
+    lines = text.split("\n")  # not splitlines: the bar's carriage returns would cut a line
     cache = [m.group(1) for ln in lines if (m := CACHE_LINE.search(ln))]
     # How loaded the machine was (1-minute load average before and after): a 2-core machine shared with
     # other work starts slower.
@@ -115,16 +119,19 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-dir", help="where the caches live (default: a fresh temporary folder: a cold first run)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a start may take")
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--log-dir", help="keep each run's server log here (run0.log, run1.log, ...)")
     ap.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: flags for moejax serve")
     a = ap.parse_args(argv)
     if a.runs < 1:
         ap.error("--runs must be >= 1")
     server_args = a.server_args[1:] if a.server_args[:1] == ["--"] else a.server_args
     cache_dir = a.cache_dir or tempfile.mkdtemp(prefix="moejax-bench-startup-")
+    if a.log_dir:
+        os.makedirs(a.log_dir, exist_ok=True)
     results = []
     for i in range(a.runs):
         r = {"run": i, "kind": "cold" if i == 0 and not a.cache_dir else "cached" if i else "as found", **one_run(
-            server_args, cache_dir, a.timeout)}
+            server_args, cache_dir, a.timeout, a.log_dir and os.path.join(a.log_dir, f"run{i}.log"))}
         results.append(r)
         print(json.dumps(r), flush=True)
     if a.json:
