@@ -203,7 +203,7 @@ class _StreamChoice:
     stream: object
     detok: protocol.IncrementalText
     parser: object  # reasoning / tool calls out of the deltas (chat_output.py), or None
-    echoed: bool = False  # echo: its prompt's chunk sent
+    started: bool = False  # its first events came (a completion's echo chunk sent, prompt logprobs taken)
 
     def next(self) -> asyncio.Future:
         return asyncio.ensure_future(self.stream.get(POLL_S))
@@ -221,6 +221,8 @@ async def _stream_body(request, resp, req, streams, aengine, ctx) -> None:
         for c in choices:
             await resp.write(_sse(responses.stream_chunk(req, rid, created, None, [], None, None, ctx.tokenizer,
                                                         first=True, completion_tokens=0, index=c.index)))
+            if req.echo and req.prompt_texts[0]:  # vLLM's: the last message's content, when there is some
+                await resp.write(_sse(responses.echo_chunk(req, rid, created, ctx.tokenizer, None, c.index)))
     waiting = {c.next(): c for c in choices}
     prompt_lps = None
     # an echo's completion offsets follow its prompt tokens' strings (the whole response's text_offset rule)
@@ -250,14 +252,18 @@ async def _stream_body(request, resp, req, streams, aengine, ctx) -> None:
                     return await _end_with_error(resp, ev.error, ev.status)
                 if ev.finish_reason == "abort":
                     return await _end_with_error(resp, "the request was aborted", 500)
-                if req.echo and not c.echoed:  # the prompt first; its logprobs came with its first sample's token
-                    c.echoed = True
+                first_plp = None  # the prompt logprobs the choice's first chunk of tokens carries
+                if not c.started:  # the prompt's logprobs came with its first sample's token
+                    c.started = True
                     plp = next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), prompt_lps)
                     prompt_lps = plp  # the later samples (their prefill came after the first's) have none
                     if req.params.prompt_logprobs is not None and plp is None:
                         return await _end_with_error(resp, "prompt logprobs are not served by this server's engine",
                                                      400)
-                    await resp.write(_sse(responses.echo_chunk(req, rid, created, ctx.tokenizer, plp, c.index)))
+                    if req.echo and not req.chat:  # the prompt first, its logprobs with it
+                        await resp.write(_sse(responses.echo_chunk(req, rid, created, ctx.tokenizer, plp, c.index)))
+                    else:
+                        first_plp = plp
                 offset = len(c.detok.sent) + echo_offset
                 # echo with max_tokens 0: the token the prefill sampled is not part of the answer
                 toks = [] if req.echo_only else [e for e in events if e.token_id is not None]
@@ -269,7 +275,8 @@ async def _stream_body(request, resp, req, streams, aengine, ctx) -> None:
                 finish = "length" if req.echo_only and ev.finish_reason else ev.finish_reason  # max_tokens 0
                 chunk = responses.stream_chunk(req, rid, created, delta, ids, lps if ids else None,
                                               finish, ctx.tokenizer, text_offset=offset, tops=tops,
-                                              completion_tokens=n_out, parser=c.parser, index=c.index)
+                                              completion_tokens=n_out, parser=c.parser, index=c.index,
+                                              prompt_logprobs=first_plp)
                 await resp.write(_sse(chunk))
                 if ev.finish_reason is None:
                     waiting[c.next()] = c

@@ -88,10 +88,10 @@ class ParsedRequest:
     parsing: OutputParsing | None = None  # chat: the answer's reasoning / tool calls taken out (chat_output.py)
     n: int = 1  # choices a prompt
     best_of: int = 1  # sequences a prompt (req.prompts[i]'s at i * best_of + j), the best n returned
-    echo: bool = False  # completions: each choice starts with its prompt (text, logprobs)
+    echo: bool = False  # completions: each choice starts with its prompt (text, logprobs); chat: prompt_texts[0]
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone
     prompt_logprobs: int | None = None  # vLLM's field: the prompt's logprobs with their top N
-    prompt_texts: list[str] | None = None  # each prompt as echoed
+    prompt_texts: list[str] | None = None  # each prompt as echoed (chat: the last message's content or '')
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -435,19 +435,27 @@ def _with_samples(req: ParsedRequest, body, ctx: ServingContext, echo_only: bool
     if len(req.prompts) * runs > MAX_PROMPTS:
         raise APIError(f"{len(req.prompts)} prompt(s) x {runs} samples is more than {MAX_PROMPTS} sequences",
                        param="best_of" if body.best_of is not None else "n")
-    if req.chat and body.echo not in (None, False):
-        raise APIError(f"'echo'={body.echo!r}"[:100] + " is not supported on chat completions by this server; it is "
-                       "refused rather than ignored", param="echo")
-    echo = not req.chat and bool(body.echo)
+    echo = bool(body.echo)
     k = body.prompt_logprobs
-    if k is not None and body.stream:
-        raise APIError("'prompt_logprobs' are not available when 'stream' is true (vLLM's rule)",
+    if k is not None and k > 0 and body.stream:  # 0 (each token's own logprob and rank) is streamed
+        raise APIError("'prompt_logprobs' above 0 are not available when 'stream' is true (vLLM's rule)",
                        param="prompt_logprobs")
-    want = [x for x in (k, req.top_logprobs if echo and req.logprobs else None) if x is not None]
+    # a completion's echo with logprobs shows its prompt tokens' (chat's echo is the content only, as vLLM's)
+    want = [x for x in (k, req.top_logprobs if echo and req.logprobs and not req.chat else None) if x is not None]
     params = dataclasses.replace(req.params, prompt_logprobs=max(want)) if want else req.params
-    texts = _echo_texts(body, req.prompts, ctx.tokenizer) if echo else None
+    texts = None
+    if echo:
+        texts = [_chat_echo_text(body)] if req.chat else _echo_texts(body, req.prompts, ctx.tokenizer)
     return dataclasses.replace(req, params=params, n=n, best_of=runs, echo=echo, echo_only=echo_only,
                                prompt_logprobs=k, prompt_texts=texts)
+
+
+def _chat_echo_text(body) -> str:
+    """vLLM's chat echo: the last message's content when its role is the answer's (the assistant's with
+    add_generation_prompt, else the last message's own: the answer continues it), else nothing."""
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    return _content_text(last.content, len(body.messages) - 1) if last.role == role else ""
 
 
 def _echo_texts(body, prompts: list[list[int]], tokenizer) -> list[str]:

@@ -93,13 +93,13 @@ def full_response(req: ParsedRequest, rid: str, outputs: list[Output], tokenizer
     choices = []
     for i, o in enumerate(outputs):
         lp_obj = _choice_logprobs(req, tokenizer, o, i) if req.logprobs else None
-        if req.chat and req.parsing is not None:
-            out = req.parsing.new()
-            choice = {"index": i, "message": out.message(o.text), "logprobs": lp_obj,
-                      "finish_reason": out.finish_reason(o.finish_reason)}
-        elif req.chat:
-            choice = {"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": lp_obj,
-                      "finish_reason": o.finish_reason}
+        if req.chat:
+            out = req.parsing.new() if req.parsing is not None else None
+            message = out.message(o.text) if out is not None else {"role": "assistant", "content": o.text}
+            if req.echo:  # vLLM's: the last message's content before the answer's
+                message["content"] = req.prompt_texts[0] + (message.get("content") or "")
+            choice = {"index": i, "message": message, "logprobs": lp_obj,
+                      "finish_reason": out.finish_reason(o.finish_reason) if out is not None else o.finish_reason}
         else:
             text = req.prompt_texts[i // req.n] + o.text if req.echo else o.text
             choice = {"index": i, "text": text, "logprobs": lp_obj, "finish_reason": o.finish_reason}
@@ -121,21 +121,37 @@ def full_response(req: ParsedRequest, rid: str, outputs: list[Output], tokenizer
 
 
 def echo_chunk(req: ParsedRequest, rid: str, created: int, tokenizer, prompt_logprobs, index: int = 0) -> dict:
-    """A streamed echo's first chunk of a choice: its prompt's text and, with logprobs, the prompt tokens'
-    (None first, as in the whole response); the completion's chunks follow."""
+    """A streamed echo's first chunk of a choice (after chat's role chunk): its prompt's text (chat: the last
+    message's, as content) and, on completions with logprobs, the prompt tokens' (None first, as in the whole
+    response), with vLLM's prompt_logprobs when asked; the completion's chunks follow."""
     o = Output("", [], [], [], None, prompt_logprobs=prompt_logprobs)
-    lp = _choice_logprobs(req, tokenizer, o, 0) if req.logprobs else None
-    return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-            "choices": [{"index": index, "text": req.prompt_texts[0], "logprobs": lp, "finish_reason": None}],
-            "usage": usage(len(req.prompt_ids), 0) if req.continuous_usage else None}
+    lp = _choice_logprobs(req, tokenizer, o, 0) if req.logprobs and not req.chat else None
+    if req.chat:
+        choice = {"index": index, "delta": {"content": req.prompt_texts[0]}, "logprobs": None, "finish_reason": None}
+    else:
+        choice = {"index": index, "text": req.prompt_texts[0], "logprobs": lp, "finish_reason": None}
+    return _with_prompt_logprobs(req, tokenizer, prompt_logprobs, {
+        "id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion", "created": created,
+        "model": req.model, "choices": [choice],
+        "usage": usage(len(req.prompt_ids), 0) if req.continuous_usage else None})
+
+
+def _with_prompt_logprobs(req: ParsedRequest, tokenizer, prompt_logprobs, chunk: dict) -> dict:
+    """A stream's first chunk of a choice with vLLM's prompt_logprobs when asked (completions: on the choice,
+    chat: beside the choices, as in the whole response)."""
+    if req.prompt_logprobs is not None and prompt_logprobs is not None:
+        entries = _vllm_prompt_logprobs(req, tokenizer, Output("", [], [], [], None, prompt_logprobs=prompt_logprobs), 0)
+        (chunk if req.chat else chunk["choices"][0])["prompt_logprobs"] = entries
+    return chunk
 
 
 def stream_chunk(req: ParsedRequest, rid: str, created: int, delta_text: str | None, token_ids: list[int],
                  lps: list[float] | None, finish_reason: str | None, tokenizer, first: bool = False,
                  text_offset: int = 0, tops: list | None = None, completion_tokens: int | None = None,
-                 parser: ChatOutput | None = None, index: int = 0) -> dict:
+                 parser: ChatOutput | None = None, index: int = 0, prompt_logprobs: list | None = None) -> dict:
     """``completion_tokens``: the tokens so far, for stream_options.continuous_usage_stats (usage: null else);
-    ``parser``: the stream's ChatOutput (req.parsing.new()), which makes the chat delta; ``index``: the choice's."""
+    ``parser``: the stream's ChatOutput (req.parsing.new()), which makes the chat delta; ``index``: the choice's;
+    ``prompt_logprobs``: the choice's prompt's (its first chunk of tokens, when the request asks for them)."""
     lp_obj = None
     if req.logprobs and token_ids:
         lp_obj = logprobs_object(req, tokenizer, token_ids, lps or [], tops, text_offset)
@@ -152,9 +168,10 @@ def stream_chunk(req: ParsedRequest, rid: str, created: int, delta_text: str | N
         choice = {"index": index, "text": delta_text or "", "logprobs": lp_obj, "finish_reason": finish_reason}
     if req.return_token_ids:
         choice["token_ids"] = list(token_ids)
-    return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion", "created": created,
-            "model": req.model, "choices": [choice],
-            "usage": usage(len(req.prompt_ids), completion_tokens) if req.continuous_usage else None}
+    return _with_prompt_logprobs(req, tokenizer, prompt_logprobs, {
+        "id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion", "created": created,
+        "model": req.model, "choices": [choice],
+        "usage": usage(len(req.prompt_ids), completion_tokens) if req.continuous_usage else None})
 
 
 def usage_chunk(req: ParsedRequest, rid: str, created: int, completion_tokens: int) -> dict:
@@ -163,18 +180,26 @@ def usage_chunk(req: ParsedRequest, rid: str, created: int, completion_tokens: i
 
 
 def _choice_logprobs(req: ParsedRequest, tokenizer, o: Output, i: int) -> dict:
-    """Choice i's logprobs; with echo its prompt's first, None for the prompt's first token (vLLM's layout,
-    which lm-eval's loglikelihood reads)."""
-    if not req.echo:
+    """Choice i's logprobs; with a completion's echo its prompt's first, None for the prompt's first token
+    (vLLM's layout, which lm-eval's loglikelihood reads)."""
+    if not (req.echo and not req.chat):
         return logprobs_object(req, tokenizer, o.token_ids, o.lps or [], o.tops)
 
     def render(t):
         return token_str(tokenizer, t, req.tokens_as_ids)
     prompt, entries = req.prompts[i // req.n], o.prompt_logprobs or []
     lps = [None, *(e.logprob for e in entries), *(o.lps or [])]
-    alts = [None, *([(render(t), lp) for t, lp in e.top] for e in entries),
+    alts = [None, *([(render(t), lp) for t, lp in echoed_alternatives(t, e, req.top_logprobs)]
+                    for t, e in zip(prompt[1:], entries)),
             *([(render(t), lp) for t, lp in top] if top else [] for top in (o.tops or [None] * len(o.token_ids)))]
     return completion_logprobs([render(t) for t in prompt + o.token_ids], lps, alts)
+
+
+def echoed_alternatives(token: int, e, n: int) -> list[tuple[int, float]]:
+    """An echoed prompt token's top_logprobs (vLLM's): the token itself first, then its n most likely without
+    it, n + 1 entries at most: n when the token is among them, n + 1 when not (OpenAI's "up to logprobs + 1");
+    ``e``: its engine/prompt_logprobs.PromptLogprob."""
+    return [(token, e.logprob), *((a, lp) for a, lp in e.top[:n] if a != token)][:n + 1]
 
 
 def _vllm_prompt_logprobs(req: ParsedRequest, tokenizer, o: Output, i: int) -> list:

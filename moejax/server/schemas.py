@@ -163,7 +163,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    echo: Any = None
+    echo: bool | None = None  # vLLM's: the last message's content before the answer's
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -217,8 +217,10 @@ HONOURED = {
     "request_id": "the response's id (cmpl-<id> / chatcmpl-<id>, vLLM's)",
     "n": "samples of each prompt (engine/parallel_sampling.py), the prompt prefilled once",
     "best_of": "samples run, the n of highest cumulative logprob returned",
-    "echo": "completions: the prompt (text, logprobs) before the completion; chat: refused unless false",
-    "prompt_logprobs": "each prompt token's logprob and top N, from the prefill (engine/prompt_logprobs.py)",
+    "echo": "completions: the prompt (text, logprobs) before the completion; chat: the last message's content "
+            "(responses.py)",
+    "prompt_logprobs": "each prompt token's logprob and top N, from the prefill (engine/prompt_logprobs.py); "
+                       "streamed: 0 only (vLLM's), in each choice's first chunk",
     "include_stop_str_in_output": "engine's stop cut and the stream's", "skip_special_tokens": "detokenisation",
     "tools": "chat template; parsed from the answer with --tool-call-parser (chat_output.py)",
     "tool_choice": "none: not parsed; auto: --enable-auto-tool-choice's parser", "parallel_tool_calls": "false: the first call only",
