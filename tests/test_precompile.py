@@ -19,6 +19,7 @@ import pytest
 import moejax
 from moejax import compilation
 from moejax.engine.buckets import Buckets, token_bucket
+from moejax.layers.sampler import SampleMode
 from moejax.server.app import ServerThread, make_app
 from moejax.server.metrics import parse_metrics
 from moejax.tiny.checkpoint import make_random_checkpoint
@@ -49,9 +50,12 @@ def _complete(url, body):
         return json.loads(r.read())
 
 
-def test_buckets_cover_every_batch():
+@pytest.mark.parametrize("compile_bound", [False, True])
+def test_buckets_cover_every_batch(compile_bound):
     """Every batch the runner can form maps to a shape in the precompiled set (or is split into ones that do)."""
-    b = Buckets(max_num_seqs=48, max_prefill_tokens=200, max_blocks_per_seq=40, decode_width_scales=True)
+    b = Buckets(max_num_seqs=48, max_prefill_tokens=200, max_blocks_per_seq=40, decode_width_scales=True,
+                compile_bound=compile_bound)
+    assert len(b.decode_widths) == (2 if compile_bound else 4)
     decode = set(b.decode_shapes())
     for n in range(1, 49):
         for blocks in range(1, 41):
@@ -70,6 +74,19 @@ def test_buckets_cover_every_batch():
             S = b.paged_len(max(chunks[i][1] for i in g))
             per_rank = max(sum(chunks[i][0] == r for i in g) for r in range(3))
             assert (b.paged(per_rank, S), S) in paged and per_rank <= b.paged(per_rank, S)
+    modes = b.sample_modes()
+    assert len(modes) == (4 if compile_bound else 7)
+    assert all(b.sample_mode(m) in modes for m in SampleMode.all())
+
+
+def test_paged_chunks_stop_at_max_model_len():
+    """A paged chunk is one sequence's tokens: no S past max_model_len's bucket, however many tokens a
+    prefill step takes (a packed stream of several prompts still reaches max_prefill_tokens)."""
+    b = Buckets(max_num_seqs=256, max_prefill_tokens=8192, max_blocks_per_seq=128, decode_width_scales=True,
+                max_chunk=2048)
+    assert max(S for _, S in b.paged_shapes()) == 2048 and b.max_tokens == 8192
+    assert {(b.paged(1, S), S) for S in (16, 2048)} <= set(b.paged_shapes())
+    assert b.wide_batch(2048) == 4  # as many 2048-token chunks as 8192 tokens hold
 
 
 def test_precompiled_server_and_handoff_never_compile(tiny_path):

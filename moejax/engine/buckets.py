@@ -13,7 +13,7 @@ big program is a whole-model compile:
   its number of prompts is not a bucket of its own: it is min(T, ``max_prefill_seqs``) rows, which
   bounds every batch of T tokens (a prompt has a token at least).
 - paged prefill (chunks after a cached prefix or an earlier chunk): the longest chunk to S (a
-  power of two, 16 at least), the number of chunks to B = 1 or ``wide_batch(S)`` (as many chunks as
+  power of two, 16 at least; a chunk is one sequence's, so S stops at max_model_len's), the number of chunks to B = 1 or ``wide_batch(S)`` (as many chunks as
   ``max_prefill_tokens`` holds at S, at most ``max_prefill_seqs``); the block-table width is the
   longest (the kernel walks only the live context).
 - speculative decoding (engine/speculative.py): the verify takes each decode shape (B, W) with k+1 rows
@@ -21,14 +21,22 @@ big program is a whole-model compile:
   prefill batch B; the decode program and its feed are not built (every decode step is a verify).
 - sampling runs in its own small program per (batch rows, SampleMode), apart from the model step.
 
+Where a program's compile costs more than a coarser bucket's padding (``compile_bound``: XLA:CPU, the tiny
+default, tests, CI; BENCHMARKS.md "2026-12-07d start-up (CPU)"): two decode widths, the longest and a
+quarter of it, and the sampler's top logprobs always computed (``sample_mode``: a batch asking none keeps
+none of them, so its tokens and logprobs are the same and a mode without them needs no program of its own).
+
 A batch that fits no bucket (more prompts than ``max_prefill_seqs``, more chunks than B rows) is
 run as several steps by the runner (``split``), never as a new shape.
 """
 
 from __future__ import annotations
 
+from moejax.layers.sampler import SampleMode
+
 MAX_PREFILL_SEQS = 256  # prompts (or chunks) of one prefill program per rank at most: its logits rows
 MAX_DECODE_WIDTHS = 4  # block-table widths of the decode program where the attention reads the whole table
+COMPILE_BOUND_WIDTH_STEP = 4  # compile_bound: the longest width and 1/4 of it
 
 
 def next_pow2(n: int, lo: int = 1) -> int:
@@ -53,16 +61,22 @@ def powers_of_two(hi: int, lo: int = 1) -> list[int]:
 
 class Buckets:
     def __init__(self, max_num_seqs: int, max_prefill_tokens: int, max_blocks_per_seq: int,
-                 decode_width_scales: bool):
+                 decode_width_scales: bool, max_chunk: int | None = None, compile_bound: bool = False):
         """decode_width_scales: whether the decode attention's cost grows with the block-table width
-        (moejax/kernels/decode_tables.py): then several widths, else the longest only."""
+        (moejax/kernels/decode_tables.py): then several widths, else the longest only. max_chunk: the
+        longest chunk a paged prefill takes (max_model_len: one sequence's tokens; default
+        max_prefill_tokens). compile_bound: fewer shapes (the module docstring)."""
         self.max_decode_batch = next_pow2(max_num_seqs)
         self.max_width = next_pow2(max_blocks_per_seq)
         self.max_prefill_seqs = min(MAX_PREFILL_SEQS, self.max_decode_batch)
         self.max_tokens = token_bucket(max_prefill_tokens)
         self.prefill_tokens = max_prefill_tokens
-        self.decode_widths = ([w for w in powers_of_two(self.max_width)][-MAX_DECODE_WIDTHS:]
-                              if decode_width_scales else [self.max_width])
+        self.max_chunk = min(max_prefill_tokens, max_chunk or max_prefill_tokens)
+        self.compile_bound = compile_bound
+        widths = powers_of_two(self.max_width)
+        if compile_bound:
+            widths = sorted({self.max_width, max(1, self.max_width // COMPILE_BOUND_WIDTH_STEP)})
+        self.decode_widths = widths[-MAX_DECODE_WIDTHS:] if decode_width_scales else [self.max_width]
 
     # ----- decode
     def decode_batch(self, n: int) -> int:
@@ -99,7 +113,7 @@ class Buckets:
 
     def paged_shapes(self) -> list[tuple[int, int]]:
         out = []
-        for S in powers_of_two(next_pow2(self.prefill_tokens, 16), 16):
+        for S in powers_of_two(next_pow2(self.max_chunk, 16), 16):
             out += sorted({(1, S), (self.wide_batch(S), S)})
         return out
 
@@ -131,6 +145,14 @@ class Buckets:
         return groups + [cur] if cur else groups
 
     # ----- sampling
+    def sample_mode(self, mode: SampleMode) -> SampleMode:
+        """The sampler program a batch of ``mode`` runs: compile_bound, the one with top logprobs."""
+        return mode._replace(top=True) if self.compile_bound else mode
+
+    def sample_modes(self) -> list[SampleMode]:
+        """The sampler programs of a rows size (SampleMode.all, merged by ``sample_mode``)."""
+        return list(dict.fromkeys(self.sample_mode(m) for m in SampleMode.all()))
+
     def sample_rows(self) -> list[int]:
         """Every batch-rows size a step hands to the sampler."""
         rows = set(powers_of_two(self.max_decode_batch))
