@@ -92,7 +92,7 @@ def test_paged_chunks_stop_at_max_model_len():
 def test_precompiled_server_and_handoff_never_compile(tiny_path):
     """A server started with precompilation answers /health 503 "starting" until every program is built,
     then serves a mixed workload (prompt lengths across buckets, chunked long prompts, prefix hits,
-    concurrency changes, sampling and logprob variants) with zero compiles. Then, on the same precompiled
+    concurrency changes, sampling, logprob and penalty variants) with zero compiles. Then, on the same precompiled
     engine once the server has stopped (one start-up compilation for both checks): the disaggregated
     handoff (a prefilled sequence's rows exported, then imported into an engine; here the same engine
     exports and re-imports them) runs precompiled programs only."""
@@ -115,6 +115,8 @@ def test_precompiled_server_and_handoff_never_compile(tiny_path):
         bodies = [dict(prompt=p, max_tokens=int(rng.integers(2, 12)), ignore_eos=True) for p in prompts]
         bodies[1].update(temperature=0.8, seed=3, top_p=0.9)
         bodies[2].update(logprobs=3)
+        bodies[3].update(repetition_penalty=1.2, presence_penalty=0.5)  # the controls variant's History made
+        bodies[4].update(temperature=0.7, frequency_penalty=0.4, min_tokens=2)
         _complete(srv.url, bodies[0])  # one alone, then all at once, then prefix hits of several prompts
         with concurrent.futures.ThreadPoolExecutor(6) as ex:
             list(ex.map(lambda b: _complete(srv.url, b), bodies))

@@ -322,11 +322,10 @@ class ControlState:
         if not mode.controls:
             return None, None
         controls, rebuild = step_arrays(ranks, B, self.vocab, self.rows, _kept, rows_per_seq)
-        if self.history is None:
+        if self.history is None:  # zeros sent from the host: jnp.zeros would compile inside a request
             r = self.runner
-            make = lambda: History(*(jnp.zeros(s, HISTORY_DTYPE) for s in self._shapes()))  # noqa: E731
-            self.history = (make() if r.mesh is None else
-                            jax.jit(make, out_shardings=NamedSharding(r.mesh, RANK))())
+            where = NamedSharding(r.mesh, RANK) if r.mesh is not None else jax.local_devices()[0]
+            self.history = History(*(jax.device_put(np.zeros(s, HISTORY_DTYPE), where) for s in self._shapes()))
         N = self.runner.num_ranks
         for q, r, seq in rebuild:
             for first, prompt, output, recent in load_chunks(seq, self.vocab):
