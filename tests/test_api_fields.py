@@ -14,7 +14,8 @@ import pytest
 import moejax
 from moejax.server import schemas
 from moejax.server.app import ServerThread
-from moejax.server.protocol import APIError, IncrementalText, ServingContext, parse_request
+from moejax.server.incremental_text import IncrementalText
+from moejax.server.protocol import APIError, ServingContext, parse_request
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 from moejax.tokenizer import Tokenizer

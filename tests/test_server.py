@@ -19,7 +19,8 @@ from moejax.engine.step_log import StepLog
 from moejax.server.app import ServerThread, build_app
 from moejax.server.async_engine import AsyncEngine
 from moejax.server.metrics import parse_metrics
-from moejax.server.protocol import IncrementalText, ServingContext
+from moejax.server.incremental_text import IncrementalText
+from moejax.server.protocol import ServingContext
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 

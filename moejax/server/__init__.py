@@ -2,6 +2,7 @@
 
 - ``async_engine``: drives the LLMEngine from one background thread, streams tokens to asyncio.
 - ``protocol``: request validation -> SamplingParams, the tokenizer endpoints, errors.
+- ``incremental_text``: a stream's text deltas from its token ids (stop strings held back).
 - ``responses``: OpenAI response bodies, stream chunks and the logprobs layouts (echo, prompt_logprobs).
 - ``metrics``: Prometheus text exposition with vLLM's metric names.
 - ``app``: the aiohttp routes.

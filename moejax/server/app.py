@@ -31,6 +31,7 @@ from aiohttp import web
 import moejax
 from moejax.engine import parallel_sampling
 from moejax.server import protocol, responses
+from moejax.server.incremental_text import IncrementalText
 from moejax.server.access import AccessPolicy, access_middleware, add_cors_headers
 from moejax.server.app_keys import CTX_KEY, ENGINE_KEY, STATE_KEY
 from moejax.server.async_engine import AsyncEngine, EngineDeadError, TokenEvent
@@ -201,7 +202,7 @@ class _StreamChoice:
     """One choice of a stream (n > 1: several, each its own sequence, text and parser)."""
     index: int
     stream: object
-    detok: protocol.IncrementalText
+    detok: IncrementalText
     parser: object  # reasoning / tool calls out of the deltas (chat_output.py), or None
     started: bool = False  # its first events came (a completion's echo chunk sent, prompt logprobs taken)
 
@@ -213,7 +214,7 @@ async def _stream_body(request, resp, req, streams, aengine, ctx) -> None:
     """The choices' chunks as their tokens come (each with its index), then the usage of all of them."""
     rid, created = _response_id(request, req), int(time.time())
     p = req.params
-    choices = [_StreamChoice(i, s, protocol.IncrementalText(ctx.tokenizer, p.stop, p.include_stop_str_in_output,
+    choices = [_StreamChoice(i, s, IncrementalText(ctx.tokenizer, p.stop, p.include_stop_str_in_output,
                                                             p.skip_special_tokens),
                              req.parsing.new() if req.parsing is not None else None) for i, s in enumerate(streams)]
     n_out = 0

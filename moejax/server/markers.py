@@ -3,7 +3,7 @@
 A stream's text comes a few characters at a time and a marker can be cut anywhere, even inside one
 token's text on a byte-level tokenizer; so a parser emits a piece only once no marker can begin in it,
 and holds back the tail that could be a marker's start (as the stream's stop strings are held back,
-protocol.IncrementalText).
+incremental_text.IncrementalText).
 """
 
 from __future__ import annotations
