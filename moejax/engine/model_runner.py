@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -41,20 +40,13 @@ from moejax.engine.sequence import Sequence
 from moejax.engine.proposer import Proposer
 from moejax.engine.sample_controls import ControlState, history_bytes
 from moejax.engine.speculative import SpecDecoder
+from moejax.engine.step_arrays import StepArrays, StepOutput, gather, prompt_logprob_plan
 from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
 from moejax.layers.sampler import SampleMode, read_history, record, sample
 from moejax.parallel.processes import agree_min, to_host
 from moejax.parallel.sharding import RANK, REPLICATED, param_specs
 from moejax.structured_output import peek_pending
-
-
-@dataclasses.dataclass
-class StepOutput:
-    """What a step sampled for each of its sequences, in their order."""
-    tokens: np.ndarray  # [n] token ids
-    logprobs: np.ndarray  # [n] logprob of each token under the raw distribution
-    top_logprobs: list  # [n]: None, or the sequence's top_logprobs best (token id, logprob), descending
 
 
 def packed_bucket(n: int) -> int:
@@ -141,6 +133,7 @@ class ModelRunner:
         self.max_model_len, self.max_num_seqs = config.scheduler.max_model_len, config.scheduler.max_num_seqs
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.num_slots = self.num_blocks * self.block_size
+        self.arrays = StepArrays(self.num_ranks, self.block_size, self.num_slots)  # a step's host inputs
         kv_dtype = cache_array_dtype(config.cache.kv_cache_dtype, config.dtype, config.kernels)
         # FP8 rows carry their scale (layers/kv_quant.py).
         # With speculative decoding the MTP layer has a cache layer of its own (index num_hidden_layers).
@@ -155,8 +148,7 @@ class ModelRunner:
         self.last_prefill_tokens = 0  # tokens per rank the last prefill step computed, padding included
         cache_dtype = cache_array_dtype(config.cache.kv_cache_dtype, config.dtype, config.kernels)
         self.buckets = Buckets(self.max_num_seqs, config.scheduler.max_prefill_tokens, self.max_blocks_per_seq,
-                               decode_tables.decode_reads_whole_table(cfg, cache_dtype, config.kernels),
-                               self.max_model_len, compile_bound=jax.local_devices()[0].platform == "cpu")
+                               decode_tables.decode_reads_whole_table(cfg, cache_dtype, config.kernels))
         self._prefill = self.compile_step(self._prefill_rank, "prefill")
         self._prefill_paged = self.compile_step(self._prefill_paged_rank, "prefill_paged")
         self._decode = self.compile_step(self._decode_rank, "decode")
@@ -371,9 +363,9 @@ class ModelRunner:
             info = p.out_info()[1]
             logits.setdefault(p.sample_rows, self.abstract(info.shape, info.dtype))
         sample = [Program(f"sample rows={rows} {m}", self._sample,
-                          (sds, *self._sampling_arrays([[]] * N, rows), i32(rows), m,
+                          (sds, *self.arrays.sampling([[]] * N, rows), i32(rows), m,
                            *self.controls.abstract(m, rows)))
-                  for rows, sds in logits.items() for m in self.buckets.sample_modes()]
+                  for rows, sds in logits.items() for m in SampleMode.all()]
         prev = self.abstract((N, self.buckets.max_decode_batch), jnp.int32)
         feed = [Program(f"feed B={B}", self._feed, (prev, i32(B), i32(B)))
                 for B in sorted({b for b, _ in self.buckets.decode_shapes()})] if own_decode else []
@@ -395,64 +387,25 @@ class ModelRunner:
         self.precompiled = True
         return out
 
-    # ----- host-side batching ---------------------------------------------
+    # ----- host-side batching (step_arrays.py) ------------------------------
     def by_rank(self, seqs: list[Sequence]) -> tuple[list[list[Sequence]], int]:
-        ranks = [[] for _ in range(self.num_ranks)]
-        for s in seqs:
-            ranks[s.dp_rank].append(s)
-        return ranks, max(len(r) for r in ranks)
+        return self.arrays.by_rank(seqs)
 
     def sample_logits(self, logits, ranks: list[list[Sequence]], B: int, positions, rows_per_seq: int = 1):
         """The sampler over a step's logits [N, B x rows_per_seq, V] of ``ranks``' sequences (each row at its
         own position of ``positions``, with its sequence's parameters); sample()'s outputs on the device."""
-        arrays = self._sampling_arrays(ranks, B)
+        arrays = self.arrays.sampling(ranks, B)
         if rows_per_seq > 1:
             arrays = [np.repeat(a, rows_per_seq, axis=1) for a in arrays]
-        mode = self.buckets.sample_mode(SampleMode.of(s.params for rs in ranks for s in rs))
+        mode = SampleMode.of(s.params for rs in ranks for s in rs)
         sampled, history = self._sample(logits, *arrays, positions, mode,
                                         *self.controls.inputs(mode, ranks, B, rows_per_seq))
         self.controls.keep(history)
         return sampled
 
-    def _sampling_arrays(self, ranks: list[list[Sequence]], B: int):
-        N = self.num_ranks
-        temp, top_p = np.zeros((N, B), np.float32), np.ones((N, B), np.float32)
-        top_k, seeds = np.zeros((N, B), np.int32), np.zeros((N, B), np.uint32)
-        for r, seqs in enumerate(ranks):  # one row of each array per rank, not one scalar per sequence
-            k = len(seqs)
-            temp[r, :k] = [s.params.temperature for s in seqs]
-            top_p[r, :k] = [s.params.top_p for s in seqs]
-            top_k[r, :k] = [s.params.top_k for s in seqs]
-            seeds[r, :k] = [s.seed & 0xFFFFFFFF for s in seqs]
-        return temp, top_p, top_k, seeds
-
     def slots(self, block_table, pos) -> np.ndarray:
-        """Cache slots of the token positions ``pos`` (any shape) of a sequence with ``block_table``
-        (a list, or a [n, blocks] array with ``pos`` [n]: one row per sequence)."""
-        pos = np.asarray(pos)
-        table = np.asarray(block_table, np.int64)
-        block = table[pos // self.block_size] if table.ndim == 1 else table[np.arange(len(pos)), pos // self.block_size]
-        return block * self.block_size + pos % self.block_size
-
-    @staticmethod
-    def _gather(where: dict[int, tuple[int, int]], sampled, seqs: list[Sequence]) -> StepOutput:
-        """The step's samples of ``seqs`` (at ``where[seq_id]`` = (rank, row)) on the host, in one
-        device-to-host copy; the top logprobs are copied only when one of them asks for some
-        (N x B x 20 values a step otherwise)."""
-        toks, lps, top_lps, top_ids = sampled[:4]
-        if any(s.params.top_logprobs for s in seqs):
-            toks, lps, top_lps, top_ids = to_host((toks, lps, top_lps, top_ids))
-        else:
-            toks, lps = to_host((toks, lps))
-        at = np.array([where[s.seq_id] for s in seqs], np.int64).reshape(-1, 2)
-        out = StepOutput(np.asarray(toks)[at[:, 0], at[:, 1]].astype(np.int64),
-                         np.asarray(lps)[at[:, 0], at[:, 1]].astype(np.float64), [None] * len(seqs))
-        for j, s in enumerate(seqs):
-            n = s.params.top_logprobs
-            if n:
-                r, i = at[j]
-                out.top_logprobs[j] = list(zip(top_ids[r, i, :n].tolist(), top_lps[r, i, :n].tolist()))
-        return out
+        """Cache slots of the token positions ``pos`` of a sequence with ``block_table`` (StepArrays.slots)."""
+        return self.arrays.slots(block_table, pos)
 
     def prefill(self, seqs: list[Sequence]) -> StepOutput:
         """Runs each sequence's scheduled chunk (``num_new_tokens`` from ``num_cached_tokens``),
@@ -490,74 +443,25 @@ class ModelRunner:
         if paged:
             S = self.buckets.paged_len(max(s.num_new_tokens for s in seqs))
             B = self.buckets.paged(per_rank, S)
-            args = self._paged_arrays(ranks, B, S)
+            args = self.arrays.paged(ranks, B, S, self.buckets.max_width)
+            self.last_prefill_tokens = B * S
             positions = args[3]  # each chunk's context length: its sampled token's position
         else:
             T, B = self.buckets.packed(max(sum(s.num_new_tokens for s in rs) for rs in ranks))
-            args = self._packed_arrays(ranks, B, T)
+            args = self.arrays.packed(ranks, B, T)
+            self.last_prefill_tokens = T
             positions = np.diff(args[2], axis=1)  # each prompt's length
-        lp_plan = self._prompt_logprob_plan(ranks, args, paged)
+        lp_plan = prompt_logprob_plan(ranks, args, paged)
         logits, counts, dispatched, *more, prompt_lp = self.run_step(
             self._prefill_paged if paged else self._prefill, *args, *self.proposer.prefill_inputs(ranks, args, paged),
             lp_plan.inputs)
         self.record_stats(counts, dispatched)
         sampled = self.sample_logits(logits, ranks, B, positions)
         where = {s.seq_id: (r, i) for r, rs in enumerate(ranks) for i, s in enumerate(rs)}
-        out = self._gather(where, sampled, seqs)
+        out = gather(where, sampled, seqs)
         prompt_logprobs.collect(lp_plan, prompt_lp)
         self.proposer.after_prefill(ranks, B, more, sampled[0])
         return out
-
-    @staticmethod
-    def _prompt_logprob_plan(ranks, args, paged: bool) -> prompt_logprobs.Plan:
-        """The prompt-logprob inputs of a prefill over ``args`` (packed: rows at cu_seqlens; paged: [B, S] flat)."""
-        if paged:
-            B, S = args[0].shape[1:]
-            return prompt_logprobs.plan(ranks, [[i * S for i in range(len(rs))] for rs in ranks], B * S)
-        cu = args[2]
-        return prompt_logprobs.plan(ranks, [cu[r, :len(rs)].tolist() for r, rs in enumerate(ranks)],
-                                    args[0].shape[1])
-
-    def _packed_arrays(self, ranks: list[list[Sequence]], B: int, T: int):
-        """Each rank's whole prompts back to back: tokens, positions, slots [N, T] and cu_seqlens
-        [N, B + 1] (prompts past the rank's own are empty; tokens past its last prompt are padding,
-        written to an out-of-range slot: dropped)."""
-        N = self.num_ranks
-        self.last_prefill_tokens = T
-        tokens, positions = np.zeros((N, T), np.int32), np.zeros((N, T), np.int32)
-        slots = np.full((N, T), self.num_slots, np.int32)
-        cu = np.zeros((N, B + 1), np.int32)
-        for r, rs in enumerate(ranks):
-            off = 0
-            for i, s in enumerate(rs):
-                n = s.num_new_tokens
-                tokens[r, off:off + n] = s.token_ids[:n]
-                positions[r, off:off + n] = np.arange(n)
-                slots[r, off:off + n] = self.slots(s.block_table, np.arange(n))
-                off += n
-                cu[r, i + 1] = off
-            cu[r, len(rs) + 1:] = off
-        return tokens, positions, cu, slots
-
-    def _paged_arrays(self, ranks: list[list[Sequence]], B: int, S: int):
-        """Chunks after a cached context, padded to [N, B, S]: tokens, positions, chunk and context
-        lengths, slots, block tables (the longest width: the attention walks only the live context)."""
-        N = self.num_ranks
-        self.last_prefill_tokens = B * S
-        tokens = np.zeros((N, B, S), np.int32)
-        positions = np.zeros((N, B, S), np.int32)
-        lens, ctx = np.zeros((N, B), np.int32), np.zeros((N, B), np.int32)
-        slots = np.full((N, B, S), self.num_slots, np.int32)  # out of range: dropped
-        tables = np.zeros((N, B, self.buckets.max_width), np.int32)
-        for r, rs in enumerate(ranks):
-            for i, s in enumerate(rs):
-                a, n = s.num_cached_tokens, s.num_new_tokens
-                tokens[r, i, :n] = s.token_ids[a:a + n]
-                positions[r, i, :n] = np.arange(a, a + n)
-                lens[r, i], ctx[r, i] = n, a + n
-                slots[r, i, :n] = self.slots(s.block_table, np.arange(a, a + n))
-                tables[r, i, :len(s.block_table)] = s.block_table
-        return tokens, positions, lens, ctx, slots, tables
 
     def decode(self, seqs: list[Sequence]) -> StepOutput:
         """One token for each sequence; its last token is the one being fed (synchronous: read at once)."""
@@ -569,34 +473,11 @@ class ModelRunner:
         at the position after it; positions, slots and block tables are the host's, since each step
         grows a sequence by exactly one token."""
         ranks, per_rank = self.by_rank(seqs)
-        N, B = self.num_ranks, self.buckets.decode_batch(per_rank)
+        B = self.buckets.decode_batch(per_rank)
         nb = self.buckets.decode_width(max(len(s.block_table) for s in seqs))
-        # Built with whole-array NumPy from one pass of list comprehensions: a Python loop setting
-        # each row's fields cost ~6 ms a step at 1024 sequences (issue 18's host profile).
+        tokens, rows, positions, slots, tables, lens, index = self.arrays.decode(
+            ranks, B, nb, prev.index if prev is not None else None)
         flat = [s for rs in ranks for s in rs]
-        n = len(flat)
-        r_of = np.repeat(np.arange(N), [len(rs) for rs in ranks])
-        i_of = np.concatenate([np.arange(len(rs)) for rs in ranks])
-        pending = np.array([s.num_pending_tokens for s in flat], np.int32)
-        pos = np.array([len(s) for s in flat], np.int32) - 1 + pending
-        nbl = np.array([len(s.block_table) for s in flat], np.int64)
-        table = np.zeros((n, nb), np.int32)
-        table[np.repeat(np.arange(n), nbl), np.arange(nbl.sum()) - np.repeat(np.cumsum(nbl) - nbl, nbl)] = \
-            np.fromiter(itertools.chain.from_iterable(s.block_table for s in flat), np.int32, int(nbl.sum()))
-        tokens, positions, lens = (np.zeros((N, B), np.int32) for _ in range(3))
-        rows = np.full((N, B), -1, np.int32)  # where a pending token sits in prev's output
-        slots = np.full((N, B), self.num_slots, np.int32)
-        tables = np.zeros((N, B, nb), np.int32)
-        tokens[r_of, i_of] = [0 if s.num_pending_tokens else s.token_ids[-1] for s in flat]
-        if pending.any():
-            for s in flat:
-                if s.num_pending_tokens and (prev is None or s.seq_id not in prev.index or s.num_pending_tokens > 1):
-                    raise RuntimeError(f"sequence {s.seq_id}: its pending token is not in the step in flight")
-            rows[r_of, i_of] = [prev.index[s.seq_id][1] if s.num_pending_tokens else -1 for s in flat]
-        positions[r_of, i_of], lens[r_of, i_of] = pos, pos + 1
-        slots[r_of, i_of] = self.slots(table, pos)
-        tables[r_of, i_of] = table
-        index = dict(zip([s.seq_id for s in flat], zip(r_of.tolist(), i_of.tolist())))
         if (rows >= 0).any():
             tokens = self._feed(prev.toks, rows, tokens)
         else:  # committed as the fed tokens are: one program for both
@@ -612,7 +493,7 @@ class ModelRunner:
     def read(self, step: DecodeStep) -> StepOutput:
         """Waits for a dispatched decode step and returns its samples in ``step.seqs`` order (the
         step's one device-to-host copy). The fed tokens' latents are now cached."""
-        out = self._gather(step.index, step.sampled, step.seqs)
+        out = gather(step.index, step.sampled, step.seqs)
         for s in step.seqs:
             s.num_pending_tokens -= 1
             if s.block_table:  # not freed since it was dispatched (finished, aborted or preempted)
