@@ -32,6 +32,7 @@ import moejax
 from moejax.engine import parallel_sampling
 from moejax.server import protocol, responses
 from moejax.server.incremental_text import IncrementalText
+from moejax.server.parsed_request import ParsedRequest
 from moejax.server.access import AccessPolicy, access_middleware, add_cors_headers
 from moejax.server.app_keys import CTX_KEY, ENGINE_KEY, STATE_KEY
 from moejax.server.async_engine import AsyncEngine, EngineDeadError, TokenEvent
@@ -87,7 +88,7 @@ def _client_gone(request: web.Request) -> bool:
     return t is None or t.is_closing()
 
 
-async def _submit(aengine: AsyncEngine, req: protocol.ParsedRequest, prompt_ids: list[int], params, after=None):
+async def _submit(aengine: AsyncEngine, req: ParsedRequest, prompt_ids: list[int], params, after=None):
     """One sequence; ``after``: the stream of its prompt's first sample, whose cached prompt it shares (an engine
     whose add_request takes no ``after``, a disaggregated router's, prefills each sample's prompt itself)."""
     kw = {"after": after} if after is not None and _shares_prompts(aengine) else {}
@@ -107,7 +108,7 @@ def _error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "internal_server_error"
 
 
-async def _parse(request: web.Request, chat: bool) -> protocol.ParsedRequest:
+async def _parse(request: web.Request, chat: bool) -> ParsedRequest:
     """Reads the body (413 above the app's client_max_size), then validates and tokenises it in the
     worker pool: the event loop keeps serving every other stream meanwhile."""
     state = request.app[STATE_KEY]
@@ -172,7 +173,7 @@ async def _collect(request, stream, aengine) -> responses.Output:
             return responses.Output(ev.text, ids, lps, tops, ev.finish_reason, ev.cumulative_logprob, prompt_lps)
 
 
-def _response_id(request: web.Request, req: protocol.ParsedRequest) -> str:
+def _response_id(request: web.Request, req: ParsedRequest) -> str:
     return responses.new_id(req.chat, req.request_id or request.headers.get("X-Request-Id"))
 
 

@@ -7,12 +7,10 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 from moejax.server.chat_output import ChatOutput
+from moejax.server.parsed_request import ParsedRequest
 
-if TYPE_CHECKING:
-    from moejax.server.protocol import ParsedRequest
 
 def new_id(chat: bool, base: str | None = None) -> str:
     """The response's id: the client's request_id (body) or X-Request-Id (header) when given, as vLLM."""
