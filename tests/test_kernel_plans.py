@@ -6,7 +6,8 @@ jax-triton and cuBLASLt, and under each kernel override; a change of outcome fai
 (34,008 cases) was compared once when the package was made; the file keeps a third of it.
 Rule changes since, re-recorded (only the cases named changed): 2026-12-07, W8A8 dense GEMMs from
 DENSE_W8A8_ROWS[0] rows on CUDA with cuBLASLt built run cuBLASLt (24 cases were Pallas); 2026-12-07b, MLA
-query rows together only below 64 heads (mla_decode.rows_together; 128 cases).
+query rows together only below 64 heads (mla_decode.rows_together; 128 cases); 2026-12-07c, bf16 routed
+experts at 33-64 rows an expert on one 64-row tile (moe.PALLAS_TILES; 60 cases, the FP8 experts unchanged).
 And each layer entry point returns an array on every path (XLA, and the kernels in the interpreter)."""
 
 import gzip

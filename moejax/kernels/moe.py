@@ -22,7 +22,9 @@ from pallas_kernels.triton_block_fp8 import fused_moe_triton
 # that fit shared memory). ROCm: num_stages 2.
 PALLAS_TILES = (
     (16, dict(block_m=16, block_n=128, block_k=128, block_n_down=128, block_k_down=64, num_warps=4, num_stages=3)),
-    (64, dict(block_m=32, block_n=64, block_k=128, block_n_down=64, block_k_down=64, num_warps=4, num_stages=3)),
+    (32, dict(block_m=32, block_n=64, block_k=128, block_n_down=64, block_k_down=64, num_warps=4, num_stages=3)),
+    # one 64-row tile an expert: 18% under the 32-row tile at 49 rows (benchmarks/2026-12-07c/h100/r4)
+    (64, dict(block_m=64, block_n=128, block_k=64, block_n_down=64, block_k_down=64, num_warps=4, num_stages=3)),
     (256, dict(block_m=128, block_n=128, block_k=64, block_n_down=128, block_k_down=64, num_warps=8, num_stages=3)),
     (None, dict(block_m=128, block_n=128, block_k=64, block_n_down=256, block_k_down=64, num_warps=8, num_stages=3)),
 )
@@ -43,8 +45,10 @@ def moe_kernel() -> str:
     return "pallas" if want == "auto" else want
 
 
-def pallas_plan(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, mode: str | None = None) -> Plan:
-    """The Pallas ``fused_moe`` and its tiles, or XLA (the FP8 experts' plan starts from it too)."""
+def pallas_plan(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, mode: str | None = None,
+                tiles=PALLAS_TILES) -> Plan:
+    """The Pallas ``fused_moe`` and its tiles (from ``tiles``), or XLA (the FP8 experts' plan starts from it
+    too, with its own table)."""
     use, forced = want_kernel(mode)
     if not use:
         return Plan("xla", reason="mode or platform")
@@ -53,7 +57,7 @@ def pallas_plan(num_rows: int, num_experts: int, hidden: int, inter: int, dtype,
     if not forced and (hidden < 16 or inter < 16):
         return Plan("xla", reason="dims below the Triton dot minimum (16)")
     per_expert = num_rows / max(num_experts, 1)
-    p = dict(next(t for upto, t in PALLAS_TILES if upto is None or per_expert <= upto))
+    p = dict(next(t for upto, t in tiles if upto is None or per_expert <= upto))
     if common.platform() == "rocm":
         p["num_stages"] = 2
     cap = lambda b, d: max(16, min(b, pow2(d)))  # never tiles wider than the (power-of-two-rounded) dims

@@ -69,13 +69,17 @@ def pick_variant(variant: str, rows: int, groups: int, weight_dtype) -> str:
     return "w8a8" if per_expert >= w8a8_from else "w8a16"
 
 
+# The bf16 kernel's tiles before its 64-row decode tile (2026-12-07c): that one is not measured on the FP8 kernel.
+BASE_TILES = tuple((64 if upto == 32 else upto, t) for upto, t in moe.PALLAS_TILES if upto != 64)
+
+
 def pallas_plan(num_rows: int, num_experts: int, hidden: int, inter: int, dtype, weight_dtype,
                 variant: str = "w8a16", mode: str | None = None) -> Plan:
     """Pallas ``fused_moe_fp8`` (params carry ``variant`` and ``weight_format``) or XLA. Tiles: the bf16
     kernel's with K steps inside one scale block; W8A8 128-wide tiles (h is requantised in the kernel's
     epilogue), 8 warps for 128-row tiles; W8A16 at decode (<= 16 rows an expert) 64-wide gate/up tiles,
     128-wide down tiles and 8 warps."""
-    base = moe.pallas_plan(num_rows, num_experts, hidden, inter, dtype, mode)
+    base = moe.pallas_plan(num_rows, num_experts, hidden, inter, dtype, mode, tiles=BASE_TILES)
     if base.path != "pallas":
         return base
     fmt, why = fp8_gemm.fp8_weight_format(weight_dtype, variant)
