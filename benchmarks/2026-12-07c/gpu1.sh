@@ -28,3 +28,6 @@ if [ "$PH" = c ]; then  # the routed experts' tiles at the rows an expert of B=1
 G='{"block_m":[32,64,128],"block_n":[64,128],"block_k":[64,128],"num_warps":[4,8],"num_stages":[3]}'
 run moe_sweep 420 python3 scripts/bench_kernels.py --only moe --moe-shapes v3-ep8 --tokens 49 98 197 --sweep --grid "$G"
 fi
+if [ "$PH" = d ]; then  # the speculative rows again with the 64-row MoE tile (33-64 rows an expert)
+run spec2 300 python3 scripts/bench_spec_decode.py --preset deepseek-v3-ep8-rank --layers 2,4 --batch 197 --k 0,1 --input-len 2000 --kv-dtype fp8 --steps 8 --json $R/spec2.json
+fi
