@@ -176,6 +176,16 @@ def random_weights_model(config: EngineConfig, hf_config: dict, *, seed: int = 0
                  tokenizer_dir=tokenizer_dir)
 
 
+def random_model(hf_config: dict, dtype: str = "bfloat16", parallel: str | None = None, seed: int = 0,
+                 params=None, **engine_kw) -> Model:
+    """A Model of random weights made on the device from a config dict (``random_weights_model``), for
+    benchmarks at real shapes where writing and reading a checkpoint would dominate. ``engine_kw``: the
+    EngineConfig.create arguments (max_model_len, default 4096, max_num_seqs, kernels, weight_dtype="fp8", ...)."""
+    config = EngineConfig.create(parse_model_config(hf_config), dtype=dtype, parallel=parallel,
+                                 **{"max_model_len": 4096, **engine_kw})
+    return random_weights_model(config, hf_config, seed=seed, params=params)
+
+
 def _check_load_format(load_format) -> None:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")

@@ -45,7 +45,8 @@ from moejax.parallel.dispatch import BACKENDS  # noqa: E402
 from moejax.parallel.ffi_library import available as ffi_available  # noqa: E402
 from moejax.parallel.sharding import make_mesh  # noqa: E402
 from moejax.tiny.presets import preset  # noqa: E402
-from moejax.tiny.random_model import random_device_params, random_model  # noqa: E402
+from moejax.model import random_model  # noqa: E402
+from moejax.weights.random_params import random_device_params  # noqa: E402
 from moejax.weights.param_tree import flatten, unflatten  # noqa: E402
 
 

@@ -66,7 +66,8 @@ from moejax.layers.linear import einsum_f32  # noqa: E402
 from moejax.layers.prefill_attention import prefill_attention  # noqa: E402
 from moejax.models.registry import abstract_params, parse_model_config  # noqa: E402
 from moejax.tiny.checkpoint import random_params  # noqa: E402
-from moejax.tiny.random_model import random_device_params, random_model  # noqa: E402
+from moejax.model import random_model  # noqa: E402
+from moejax.weights.random_params import random_device_params  # noqa: E402
 from moejax.weights.param_tree import flatten, is_stacked_expert  # noqa: E402
 from pallas_kernels.flash_prefill_attention import flash_prefill_attention  # noqa: E402
 

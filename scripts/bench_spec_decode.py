@@ -33,7 +33,7 @@ from moejax.benchmark.decode_setup import (add_engine_flags, bench_hf_config, en
 from moejax.config import EngineConfig  # noqa: E402
 from moejax.engine.sampling_params import SamplingParams  # noqa: E402
 from moejax.models.registry import parse_model_config  # noqa: E402
-from moejax.tiny.random_model import random_model  # noqa: E402
+from moejax.model import random_model  # noqa: E402
 from moejax.weights.random_params import random_device_params  # noqa: E402
 
 PROGRAMS = ("decode", "feed", "sample", "spec_verify", "spec_draft", "spec_draft_first")

@@ -118,7 +118,7 @@ def test_random_fill_leaves_the_engine_as_a_prefill_would(tmp_path):
     import numpy as np
     from moejax.engine.sampling_params import SamplingParams
     from moejax.tiny.presets import preset
-    from moejax.tiny.random_model import random_model
+    from moejax.model import random_model
     engines = []
     seed = int(np.random.default_rng().integers(1 << 30))  # the same prompts for both fills
     for fill in ("prefill", "random"):

@@ -53,7 +53,7 @@ def test_the_model_takes_one_batch_and_its_forms_agree():
     a dense prefill of S + 1 tokens against the same tokens as a packed prefill of S then one decode step, in
     float32 on a tiny random V3 with its MTP layer (the runner's packed and decode forms)."""
     from moejax.tiny.presets import preset
-    from moejax.tiny.random_model import random_model
+    from moejax.model import random_model
 
     m = random_model(preset("v3-tiny", num_nextn_predict_layers=1), dtype="float32", max_model_len=64,
                      block_size=8, num_kv_blocks=8, kernels="xla")

@@ -21,7 +21,8 @@ from moejax.layers.kv_quant import is_fp8_cache, quantize_rows
 from moejax.models.registry import abstract_params, parse_model_config
 from moejax.parallel.config import ParallelConfig
 from moejax.tiny.presets import preset, with_layers
-from moejax.tiny.random_model import random_device_params, random_model
+from moejax.model import random_model
+from moejax.weights.random_params import random_device_params
 from moejax.weights.param_tree import flatten, is_stacked_expert
 
 _PARAMS: dict = {}  # weights generated once per process, shared by the runs

@@ -1,5 +1,5 @@
 """Random weights shaped like a model, made on the device (no checkpoint files): what
-``moejax.load(..., load_format="dummy")`` and ``moejax.tiny.random_model`` run on."""
+``moejax.load(..., load_format="dummy")`` and ``moejax.model.random_model`` run on."""
 
 from __future__ import annotations
 
