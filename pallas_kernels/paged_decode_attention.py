@@ -29,7 +29,7 @@ Flash-decoding in two stages:
 Variable lengths share one batch: tiles past a sequence's length are never
 visited, the last tile is masked. Cache rows are either the model dtype
 (bf16/f32) or FP8 e4m3 with a per-row power-of-two scale in an extra byte
-(moejax/layers/kv_quant.py); the kernel reads that byte and applies the scale
+(moejax/kernels/kv_quant.py); the kernel reads that byte and applies the scale
 to the scores and the probabilities (s_t scales both K_t and V_t).
 """
 

@@ -32,7 +32,7 @@ WALL = SMOKE = False  # set from --wall / --smoke in main
 from moejax.kernels import common, mfa_decode, mla_decode, moe, paged_decode  # noqa: E402
 from moejax.kernels.common import kernel_mode  # noqa: E402
 from moejax.layers.experts import ExpertWeights, grouped_expert_mlp  # noqa: E402
-from moejax.layers.kv_quant import cache_row_dim, quantize_rows  # noqa: E402
+from moejax.kernels.kv_quant import cache_row_dim, quantize_rows  # noqa: E402
 from moejax.layers.paged_attention import mfa_decode_attention, mla_decode_attention  # noqa: E402
 from pallas_kernels.fused_moe import fused_moe  # noqa: E402
 from pallas_kernels.jax_triton_compat import available as triton_available  # noqa: E402

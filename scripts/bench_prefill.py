@@ -62,7 +62,7 @@ from moejax.engine.model_runner import next_pow2, packed_bucket  # noqa: E402
 from moejax.kernels import prefill  # noqa: E402
 from moejax.kernels.common import kernel_mode  # noqa: E402
 from moejax.layers.forward_batch import ForwardBatch  # noqa: E402
-from moejax.layers.linear import einsum_f32  # noqa: E402
+from moejax.kernels.common import einsum_f32  # noqa: E402
 from moejax.layers.prefill_attention import prefill_attention  # noqa: E402
 from moejax.models.registry import abstract_params, parse_model_config  # noqa: E402
 from moejax.tiny.checkpoint import random_params  # noqa: E402

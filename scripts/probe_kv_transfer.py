@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from moejax.engine.kv_transfer import KVTransfer  # noqa: E402
-from moejax.layers.kv_quant import FP8, cache_row_dim  # noqa: E402
+from moejax.kernels.kv_quant import FP8, cache_row_dim  # noqa: E402
 
 
 def build_parser():

@@ -7,7 +7,7 @@ import pytest
 from moejax.config import EngineConfig
 from moejax.engine.model_runner import HOST_CACHE_BYTES, STEP_RESERVE_BYTES, default_num_blocks
 from moejax.engine.sample_controls import history_bytes
-from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim
+from moejax.kernels.kv_quant import cache_array_dtype, cache_row_dim
 from moejax.models.registry import load_model_config, parse_model_config
 from moejax.tiny.presets import preset
 

@@ -12,7 +12,7 @@ import pytest
 from moejax.kernels import common, mfa_decode, mla_decode, moe
 from moejax.kernels.common import kernel_mode
 from moejax.layers.forward_batch import ForwardBatch
-from moejax.layers.kv_quant import cache_row_dim, dequantize_rows, quantize_rows
+from moejax.kernels.kv_quant import cache_row_dim, dequantize_rows, quantize_rows
 from pallas_kernels import jax_triton_compat
 from pallas_kernels.fused_moe import fused_moe
 from pallas_kernels.paged_decode_attention import paged_decode_attention
@@ -379,7 +379,7 @@ def tiny_bf16(tmp_path_factory):
 def _prefill_then_decode(path, kernels, kv_cache_dtype):
     """Logits of the last prompt token (prefill) and of one decode step, three sequences."""
     import moejax
-    from moejax.layers.kv_quant import cache_storage_dtype, stored_row_dim
+    from moejax.kernels.kv_quant import cache_storage_dtype, stored_row_dim
     bs, nb = 8, 4
     m = moejax.load(path, dtype="bfloat16", max_model_len=64, max_num_seqs=4, block_size=bs, num_kv_blocks=16,
                     progress=False, kernels=kernels, kv_cache_dtype=kv_cache_dtype)

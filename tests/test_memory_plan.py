@@ -10,7 +10,7 @@ from moejax.config import EngineConfig
 from moejax.engine import model_runner
 from moejax.engine.buckets import next_pow2
 from moejax.engine.sample_controls import HISTORY_DTYPE, history_bytes, history_shapes
-from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim
+from moejax.kernels.kv_quant import cache_array_dtype, cache_row_dim
 from moejax.layers.sampler import RECENT
 from moejax.models.registry import parse_model_config
 from moejax.tiny.presets import preset

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from moejax.kernels import mla_decode, paged_decode  # noqa: E402
-from moejax.layers.kv_quant import cache_row_dim, quantize_rows  # noqa: E402
+from moejax.kernels.kv_quant import cache_row_dim, quantize_rows  # noqa: E402
 from pallas_kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
 from pallas_kernels.triton_mla_decode import triton_mla_decode  # noqa: E402
 

@@ -17,7 +17,7 @@ from moejax.engine_args import EngineArgs
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.sequence import Status
 from moejax.layers.fp8_policy import NO_FP8
-from moejax.layers.kv_quant import is_fp8_cache, quantize_rows
+from moejax.kernels.kv_quant import is_fp8_cache, quantize_rows
 from moejax.models.registry import abstract_params, parse_model_config
 from moejax.parallel.config import ParallelConfig
 from moejax.tiny.presets import preset, with_layers

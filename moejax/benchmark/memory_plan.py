@@ -12,7 +12,7 @@ import json
 import numpy as np
 
 from moejax.config import EngineConfig
-from moejax.layers.kv_quant import cache_row_dim
+from moejax.kernels.kv_quant import cache_row_dim
 from moejax.models.registry import abstract_params, parse_model_config
 from moejax.parallel.config import ParallelConfig
 from moejax.weights.param_tree import flatten, layer_type

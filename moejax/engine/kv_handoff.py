@@ -14,7 +14,7 @@ The decode side is prefix-cache aware: blocks of the prompt's longest cached pre
 shared, and only the rows after it are written.
 
 Both engines must store rows alike: the same row width and kind (FP8 rows carry their scale byte,
-layers/kv_quant.py); a bf16 cache held in float32 on CPU takes bf16 rows (the values are bf16).
+kernels/kv_quant.py); a bf16 cache held in float32 on CPU takes bf16 rows (the values are bf16).
 
 Speculative decoding (engine/speculative.py): an engine with ``speculative_config`` has one more cache
 layer, the MTP layer's (index num_hidden_layers), whose rows of a prompt only its own prefill writes;

@@ -42,7 +42,7 @@ from moejax.engine.sample_controls import ControlState, history_bytes
 from moejax.engine.speculative import SpecDecoder
 from moejax.engine.step_arrays import StepArrays, StepOutput, gather, prompt_logprob_plan
 from moejax.layers.forward_batch import ForwardBatch
-from moejax.layers.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
+from moejax.kernels.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
 from moejax.layers.sampler import SampleMode, read_history, record, sample
 from moejax.parallel.processes import agree_min, to_host
 from moejax.parallel.sharding import RANK, REPLICATED, param_specs
@@ -135,7 +135,7 @@ class ModelRunner:
         self.num_slots = self.num_blocks * self.block_size
         self.arrays = StepArrays(self.num_ranks, self.block_size, self.num_slots)  # a step's host inputs
         kv_dtype = cache_array_dtype(config.cache.kv_cache_dtype, config.dtype, config.kernels)
-        # FP8 rows carry their scale (layers/kv_quant.py).
+        # FP8 rows carry their scale (kernels/kv_quant.py).
         # With speculative decoding the MTP layer has a cache layer of its own (index num_hidden_layers).
         shape = (self.num_ranks, config.num_cache_layers, self.num_slots, stored_row_dim(cfg.kv_cache_dim, kv_dtype))
         if mesh is None:

@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels import paged_decode
-from moejax.kernels.common import Plan, plan_reason, triton_dim, want_kernel
-from moejax.layers.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
-from moejax.layers.linear import einsum_f32
+from moejax.kernels.common import Plan, einsum_f32, plan_reason, triton_dim, want_kernel
+from moejax.kernels.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 
 

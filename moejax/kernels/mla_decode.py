@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels import common, paged_decode
-from moejax.kernels.common import MLA_KERNEL_ENV, MLA_KERNELS, Plan, plan_reason, pow2, triton_dim, want_kernel
-from moejax.layers.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
-from moejax.layers.linear import einsum_f32
+from moejax.kernels.common import (MLA_KERNEL_ENV, MLA_KERNELS, Plan, einsum_f32, plan_reason, pow2, triton_dim,
+                                   want_kernel)
+from moejax.kernels.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
 from pallas_kernels import jax_triton_compat
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.triton_mla_decode import triton_mla_decode

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels import common
-from moejax.kernels.common import Plan, plan_reason, pow2, triton_dim, want_kernel
-from moejax.layers.linear import einsum_f32
+from moejax.kernels.common import Plan, einsum_f32, plan_reason, pow2, triton_dim, want_kernel
 from pallas_kernels.flash_prefill_attention import check_packed, flash_packed_prefill_attention, flash_prefill_attention
 
 # (largest of qk_dim + rope_dim and v_dim up to, tiles): MLA's 192 three stages; wider (Step3's 256)

@@ -61,14 +61,3 @@ class Embedding(nn.Module):
     def __call__(self, ids):
         w = self.param("weight", nn.initializers.normal(INIT_STD), (self.num_embeddings, self.features), self.dtype)
         return jnp.take(w, ids, axis=0)
-
-
-def einsum_f32(spec: str, a, b):
-    """einsum with float32 accumulation and result.
-
-    XLA:CPU's batched dot has no bf16 x bf16 -> f32 kernel, so on CPU the
-    operands are widened instead; on GPU the MXU/tensor-core path keeps bf16 inputs.
-    """
-    if jax.default_backend() == "cpu" and (a.dtype != jnp.float32 or b.dtype != jnp.float32):
-        return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)

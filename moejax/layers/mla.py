@@ -17,9 +17,10 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from moejax.kernels.common import einsum_f32
 from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.fp8_policy import Fp8Scheme
-from moejax.layers.linear import Linear, einsum_f32
+from moejax.layers.linear import Linear
 from moejax.layers.norm import RMSNorm
 from moejax.layers.paged_attention import mla_decode_attention, write_cache
 from moejax.layers.prefill_attention import (check_prefill_mode, packed_prefill_attention,

@@ -11,12 +11,12 @@ head, gathered once per sequence and shared by all query heads.
 import jax.numpy as jnp
 
 from moejax.kernels import mfa_decode, mla_decode
-from moejax.layers.kv_quant import encode_rows
+from moejax.kernels.kv_quant import encode_rows
 
 
 def write_cache(cache, layer: int, slots, values):
     """cache [L, num_slots, D]; slots out of range (padding) are dropped. An FP8 cache stores
-    quantised rows with their scale (moejax/layers/kv_quant.py)."""
+    quantised rows with their scale (moejax/kernels/kv_quant.py)."""
     rows = encode_rows(cache, values)
     if slots.shape[0] == 1:
         # One row would become a dynamic-update-slice, which XLA:CPU fuses with the step's reshape of
@@ -43,7 +43,7 @@ def mla_decode_attention(q_latent, q_rope, cache_layer, block_tables, seq_lens, 
     -> context latents [N, H, C] in ``out_dtype`` (default float32).
 
     With ``layer``, cache_layer is the whole cache [L, num_slots, D] (the Pallas kernel then
-    reads that layer in place). An FP8 cache holds rows in the layout of layers/kv_quant.py.
+    reads that layer in place). An FP8 cache holds rows in the layout of kernels/kv_quant.py.
     Rows a sequence go to a kernel that reads its context once for them all where one is selected;
     otherwise each row gets the sequence's table and reads the context itself."""
     return mla_decode.run(q_latent, q_rope, cache_layer, block_tables, seq_lens, block_size, scale, layer,

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels import prefill
-from moejax.layers.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
+from moejax.kernels.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
 
 
 def prefill_attention(q, kv, seq_lens, ctx_lens=None, kv_start=None, *, scale: float, q_rope=None, k_rope=None,

@@ -48,7 +48,7 @@ class ModelFamily:
     # A random checkpoint's final tensors (cfg, HF tensors, seed, dtype) -> tensors: e.g. a VL wrapper's
     # name prefix and vision-tower stand-ins.
     add_checkpoint_extras: Callable[[Any, dict, int, Any], dict] = lambda cfg, tensors, seed, dtype: tensors
-    fp8_kv_cache: bool = True  # the attention reads FP8 cache rows (layers/kv_quant.py)
+    fp8_kv_cache: bool = True  # the attention reads FP8 cache rows (kernels/kv_quant.py)
     # transformers classes (config, model) by model_type, for reference checkpoints; {} = none exist.
     transformers_classes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
