@@ -22,7 +22,7 @@ big program is a whole-model compile:
 - sampling runs in its own small program per (batch rows, SampleMode), apart from the model step.
 
 Where a program's compile costs more than a coarser bucket's padding (``compile_bound``: XLA:CPU, the tiny
-default, tests, CI; BENCHMARKS.md "2026-12-07d start-up (CPU)"): two decode widths, the longest and a
+default, tests, CI; BENCHMARKS.md "2026-12-07c start-up (CPU)"): two decode widths, the longest and a
 quarter of it, and the sampler's top logprobs always computed (``sample_mode``: a batch asking none keeps
 none of them, so its tokens and logprobs are the same and a mode without them needs no program of its own).
 

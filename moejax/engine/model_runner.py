@@ -148,7 +148,8 @@ class ModelRunner:
         self.last_prefill_tokens = 0  # tokens per rank the last prefill step computed, padding included
         cache_dtype = cache_array_dtype(config.cache.kv_cache_dtype, config.dtype, config.kernels)
         self.buckets = Buckets(self.max_num_seqs, config.scheduler.max_prefill_tokens, self.max_blocks_per_seq,
-                               decode_tables.decode_reads_whole_table(cfg, cache_dtype, config.kernels))
+                               decode_tables.decode_reads_whole_table(cfg, cache_dtype, config.kernels),
+                               self.max_model_len, compile_bound=jax.local_devices()[0].platform == "cpu")
         self._prefill = self.compile_step(self._prefill_rank, "prefill")
         self._prefill_paged = self.compile_step(self._prefill_paged_rank, "prefill_paged")
         self._decode = self.compile_step(self._decode_rank, "decode")
@@ -365,7 +366,7 @@ class ModelRunner:
         sample = [Program(f"sample rows={rows} {m}", self._sample,
                           (sds, *self.arrays.sampling([[]] * N, rows), i32(rows), m,
                            *self.controls.abstract(m, rows)))
-                  for rows, sds in logits.items() for m in SampleMode.all()]
+                  for rows, sds in logits.items() for m in self.buckets.sample_modes()]
         prev = self.abstract((N, self.buckets.max_decode_batch), jnp.int32)
         feed = [Program(f"feed B={B}", self._feed, (prev, i32(B), i32(B)))
                 for B in sorted({b for b, _ in self.buckets.decode_shapes()})] if own_decode else []
@@ -397,7 +398,7 @@ class ModelRunner:
         arrays = self.arrays.sampling(ranks, B)
         if rows_per_seq > 1:
             arrays = [np.repeat(a, rows_per_seq, axis=1) for a in arrays]
-        mode = SampleMode.of(s.params for rs in ranks for s in rs)
+        mode = self.buckets.sample_mode(SampleMode.of(s.params for rs in ranks for s in rs))
         sampled, history = self._sample(logits, *arrays, positions, mode,
                                         *self.controls.inputs(mode, ranks, B, rows_per_seq))
         self.controls.keep(history)
