@@ -87,6 +87,11 @@ def test_paged_chunks_stop_at_max_model_len():
     assert max(S for _, S in b.paged_shapes()) == 2048 and b.max_tokens == 8192
     assert {(b.paged(1, S), S) for S in (16, 2048)} <= set(b.paged_shapes())
     assert b.wide_batch(2048) == 4  # as many 2048-token chunks as 8192 tokens hold
+    coarse = Buckets(max_num_seqs=256, max_prefill_tokens=8192, max_blocks_per_seq=128, decode_width_scales=True,
+                     max_chunk=2048, compile_bound=True)
+    assert coarse.paged_lens == [16, 64, 256, 1024, 2048] and coarse.decode_widths == [32, 128]
+    for n in range(1, 2049):
+        assert n <= coarse.paged_len(n) <= max(16, 4 * n) and coarse.paged_len(n) in coarse.paged_lens
 
 
 def test_precompiled_server_and_handoff_never_compile(tiny_path):

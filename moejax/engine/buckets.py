@@ -23,7 +23,7 @@ big program is a whole-model compile:
 
 Where a program's compile costs more than a coarser bucket's padding (``compile_bound``: XLA:CPU, the tiny
 default, tests, CI; BENCHMARKS.md "2026-12-07c start-up (CPU)"): two decode widths, the longest and a
-quarter of it, and the sampler's top logprobs always computed (``sample_mode``: a batch asking none keeps
+quarter of it; paged chunk lengths a factor of 4 apart (16, 64, 256, ..., and the longest); the sampler's top logprobs always computed (``sample_mode``: a batch asking none keeps
 none of them, so its tokens and logprobs are the same and a mode without them needs no program of its own).
 
 A batch that fits no bucket (more prompts than ``max_prefill_seqs``, more chunks than B rows) is
@@ -37,6 +37,7 @@ from moejax.layers.sampler import SampleMode
 MAX_PREFILL_SEQS = 256  # prompts (or chunks) of one prefill program per rank at most: its logits rows
 MAX_DECODE_WIDTHS = 4  # block-table widths of the decode program where the attention reads the whole table
 COMPILE_BOUND_WIDTH_STEP = 4  # compile_bound: the longest width and 1/4 of it
+COMPILE_BOUND_CHUNK_STEP = 4  # compile_bound: paged chunk lengths 16, 64, 256, ... and the longest
 
 
 def next_pow2(n: int, lo: int = 1) -> int:
@@ -73,6 +74,9 @@ class Buckets:
         self.prefill_tokens = max_prefill_tokens
         self.max_chunk = min(max_prefill_tokens, max_chunk or max_prefill_tokens)
         self.compile_bound = compile_bound
+        top = next_pow2(self.max_chunk, 16)
+        self.paged_lens = [S for S in powers_of_two(top, 16)
+                           if not compile_bound or S == top or (S // 16).bit_length() % 2 == 1]
         widths = powers_of_two(self.max_width)
         if compile_bound:
             widths = sorted({self.max_width, max(1, self.max_width // COMPILE_BOUND_WIDTH_STEP)})
@@ -102,7 +106,7 @@ class Buckets:
 
     # ----- paged prefill
     def paged_len(self, longest_chunk: int) -> int:
-        return next_pow2(longest_chunk, 16)
+        return next(S for S in self.paged_lens if S >= min(longest_chunk, self.paged_lens[-1]))
 
     def wide_batch(self, S: int) -> int:
         return max(1, min(self.max_prefill_seqs, next_pow2(self.prefill_tokens) // S))
@@ -113,7 +117,7 @@ class Buckets:
 
     def paged_shapes(self) -> list[tuple[int, int]]:
         out = []
-        for S in powers_of_two(next_pow2(self.max_chunk, 16), 16):
+        for S in self.paged_lens:
             out += sorted({(1, S), (self.wide_batch(S), S)})
         return out
 
