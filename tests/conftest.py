@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from moejax.tiny.checkpoint import make_random_checkpoint  # noqa: E402
-from moejax.tiny.presets import preset  # noqa: E402
+from moejax.tiny.presets import preset, with_layers  # noqa: E402
 
 # Fresh random inputs every run, but replayable: every unseeded np.random.default_rng() draws
 # from one seed per test (printed with a failure), and MOEJAX_TEST_SEED=<seed> replays it.
@@ -133,6 +133,14 @@ def pytest_runtest_makereport(item, call):
 # sequences, 8-token blocks and prefill steps, XLA's compilation cache off (what they count is moejax's).
 SMALL_ENGINE = dict(dtype="float32", max_model_len=16, max_num_seqs=2, block_size=8, max_prefill_tokens=8,
                     progress=False, compilation_cache_dir="off")
+
+
+def v3_tiny_two_layers(**overrides) -> dict:
+    """v3-tiny (preset ``overrides``) at two layers, one dense and one MoE (both kinds still run): the model of
+    the engine-level tests that compare the engine with a reference of the same model (sampling controls,
+    n/best_of, echo, lm-eval, speculative). The suite is compile-bound and every step program unrolls each
+    layer: the third layer (a second MoE one) cost tracing and compiling, and checked nothing the others do not."""
+    return with_layers(preset("v3-tiny", **overrides), 2)
 
 
 def random_v3_tiny(tmp_path_factory, name: str, **overrides) -> str:

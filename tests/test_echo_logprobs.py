@@ -16,7 +16,7 @@ import torch
 import moejax
 from moejax.server.app import ServerThread
 
-from conftest import assert_top_logprobs, log_softmax
+from conftest import assert_top_logprobs, log_softmax, v3_tiny_two_layers
 
 NAME = "tiny-echo"
 MAX_LEN = 128
@@ -25,10 +25,9 @@ PREFILL_BUDGET = 48  # a prompt longer than this is prefilled in chunks (the pag
 
 @pytest.fixture(scope="module")
 def hf_tiny(tmp_path_factory):
-    from moejax.tiny.presets import preset
     from moejax.tiny.transformers_checkpoint import make_hf_checkpoint
     d = str(tmp_path_factory.mktemp("echo"))
-    return d, make_hf_checkpoint(d, preset("v3-tiny", initializer_range=0.1), seed=3)
+    return d, make_hf_checkpoint(d, v3_tiny_two_layers(initializer_range=0.1), seed=3)
 
 
 @pytest.fixture(scope="module")

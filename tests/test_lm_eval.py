@@ -13,9 +13,8 @@ import pytest
 import moejax
 from moejax.server.app import ServerThread
 from moejax.tiny.checkpoint import make_random_checkpoint
-from moejax.tiny.presets import preset
 
-from conftest import log_softmax
+from conftest import log_softmax, v3_tiny_two_layers
 
 NAME = "tiny-lm-eval"
 TASK = "moejax_local_mc"
@@ -25,7 +24,7 @@ WORDS = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree", "river", "
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = make_random_checkpoint(str(tmp_path_factory.mktemp("lmeval")), preset("v3-tiny"), seed=13, std=0.1)
+    path = make_random_checkpoint(str(tmp_path_factory.mktemp("lmeval")), v3_tiny_two_layers(), seed=13, std=0.1)
     return moejax.load(path, dtype="float32", max_model_len=128, max_num_seqs=8, progress=False)
 
 

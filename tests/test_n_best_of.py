@@ -16,9 +16,8 @@ import pytest
 import moejax
 from moejax.server.app import ServerThread
 from moejax.tiny.checkpoint import make_random_checkpoint
-from moejax.tiny.presets import preset
 
-from conftest import log_softmax
+from conftest import log_softmax, v3_tiny_two_layers
 
 NAME = "tiny-n"
 KW = dict(dtype="float32", max_model_len=128, max_num_seqs=8, block_size=16, progress=False)
@@ -27,7 +26,7 @@ SAMPLE = dict(max_new_tokens=8, temperature=1.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    return make_random_checkpoint(str(tmp_path_factory.mktemp("n")), preset("v3-tiny"), seed=11, std=0.1)
+    return make_random_checkpoint(str(tmp_path_factory.mktemp("n")), v3_tiny_two_layers(), seed=11, std=0.1)
 
 
 @pytest.fixture(scope="module")

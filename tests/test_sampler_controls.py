@@ -21,7 +21,8 @@ from moejax.engine.sequence import Sequence
 from moejax.layers import sampler
 from moejax.layers.sampler import CONTROLS, RECENT, History, SampleMode, SampleControls
 from moejax.tiny.checkpoint import make_random_checkpoint
-from moejax.tiny.presets import preset
+
+from conftest import v3_tiny_two_layers
 
 
 class IdTokenizer:
@@ -220,7 +221,7 @@ def test_prepare_refuses_what_the_sampler_cannot_take():
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    return make_random_checkpoint(str(tmp_path_factory.mktemp("tiny")), preset("v3-tiny"), seed=13, std=0.1)
+    return make_random_checkpoint(str(tmp_path_factory.mktemp("tiny")), v3_tiny_two_layers(), seed=13, std=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +338,7 @@ def test_speculative_rows_take_the_controls(tmp_path_factory):
     min_tokens counts the row's own output position (drafts forced, so they are accepted where right):
     allowed_token_ids [m, s], s biased and a stop token held back until 5 tokens gives m x 5 then s; a
     penalty is refused (it would depend on the drafts)."""
-    path = make_random_checkpoint(str(tmp_path_factory.mktemp("mtp")), preset("v3-tiny", num_nextn_predict_layers=1),
+    path = make_random_checkpoint(str(tmp_path_factory.mktemp("mtp")), v3_tiny_two_layers(num_nextn_predict_layers=1),
                                   seed=5, std=0.1)
     spec = moejax.load(path, dtype="float32", max_model_len=64, max_num_seqs=4, block_size=8, progress=False,
                        speculative_config={"method": "mtp", "num_speculative_tokens": 2})

@@ -8,8 +8,8 @@ on 8 host devices; async scheduling (step N+1 fed on the device from step N, rea
 dispatched) against the synchronous loop with stops mid-run, preemption and aborts; start-up compilation
 covering every speculative program; bad configurations refused naming the field.
 
-The checkpoint is v3-tiny with its MTP layer (``num_nextn_predict_layers`` 1), random weights of std 0.1
-(logits spread: greedy near-ties rare) from a fresh seed (the module fixture prints it)."""
+The checkpoint is v3-tiny at two layers (conftest.v3_tiny_two_layers) with its MTP layer
+(``num_nextn_predict_layers`` 1), random weights of std 0.1 (logits spread: greedy near-ties rare) from a fresh seed (the module fixture prints it)."""
 
 import asyncio
 import dataclasses
@@ -27,7 +27,9 @@ from moejax.server.metrics import Metrics, parse_metrics
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
-CFG = preset("v3-tiny", num_nextn_predict_layers=1)
+from conftest import v3_tiny_two_layers
+
+CFG = v3_tiny_two_layers(num_nextn_predict_layers=1)
 V = CFG["vocab_size"]
 # Small blocks and prefill budget: drafts cross block boundaries, prompts over 16 tokens are chunked. Few
 # buckets (batches 1-4, four block-table widths): the file's time is mostly compilation.
