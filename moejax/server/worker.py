@@ -89,31 +89,31 @@ async def _add(aengine: AsyncEngine, *args, **kw):
         raise APIError(f"the engine is not running: {e}", 503, type_="internal_server_error") from None
 
 
-def add_worker_routes(app: web.Application, cfg: WorkerConfig, xfer: KVTransfer, max_model_len: int,
-                      vocab_size: int) -> None:
-    """Adds the internal routes to an app built by app.build_app / make_app over the worker's engine."""
-    if cfg.role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {cfg.role!r}")
-    inject = {"left": cfg.inject_transfer_failures}
+class WorkerRoutes:
+    """The internal routes of a prefill or decode worker (the router's side: server/router.py)."""
 
-    async def info(request):
+    def __init__(self, cfg: WorkerConfig, xfer: KVTransfer, max_model_len: int, vocab_size: int):
+        self.cfg, self.xfer, self.max_model_len, self.vocab_size = cfg, xfer, max_model_len, vocab_size
+        self.injected_left = cfg.inject_transfer_failures
+
+    async def info(self, request):
         if not request.app[ENGINE_KEY].ready.is_set():  # the router waits for this answer: not before the compiles
             return web.json_response({"error": "starting"}, status=503)
         eng = request.app[ENGINE_KEY].engine
         blocks, spec = eng.blocks, eng.config.speculative
-        return web.json_response({"role": cfg.role, "max_model_len": max_model_len, "vocab_size": vocab_size,
-                                  "transfer_address": xfer.address,
+        return web.json_response({"role": self.cfg.role, "max_model_len": self.max_model_len,
+                                  "vocab_size": self.vocab_size, "transfer_address": self.xfer.address,
                                   "kv_tokens": blocks.num_blocks * blocks.block_size,
                                   "speculative_config": None if spec is None else dataclasses.asdict(spec),
                                   "num_cache_layers": int(eng.runner.cache.shape[1])})
 
-    async def load(request):
+    async def load(self, request):
         aengine = request.app[ENGINE_KEY]
         eng = aengine.engine
         return web.json_response({"inflight": len(request.app[STATE_KEY].inflight),
                                   "free_blocks": eng.blocks.num_free, "num_blocks": eng.blocks.num_blocks})
 
-    async def prefill(request):
+    async def prefill(self, request):
         aengine, state = request.app[ENGINE_KEY], request.app[STATE_KEY]
         body = await _body(request)
         try:
@@ -132,29 +132,29 @@ def add_worker_routes(app: web.Application, cfg: WorkerConfig, xfer: KVTransfer,
                 raise APIError(ev.error, ev.status, type_="internal_server_error")
             out = {"event": event_json(ev)}
             if ev.handoff is not None:
-                out["prefilled"] = xfer.offer_request(ev.handoff)
+                out["prefilled"] = self.xfer.offer_request(ev.handoff)
             return web.json_response(out)
         finally:
             state.inflight.discard(stream)
             if not stream.finished:
                 stream.abort()
 
-    async def decode(request):
+    async def decode(self, request):
         aengine, state = request.app[ENGINE_KEY], request.app[STATE_KEY]
         body = await _body(request)
         meta = body.get("prefilled")
         if not isinstance(meta, dict):
             raise APIError("missing field 'prefilled'", param="prefilled")
-        if inject["left"] > 0 and isinstance(meta.get("transfer"), dict):  # injected: rows never offered
-            inject["left"] -= 1
+        if self.injected_left > 0 and isinstance(meta.get("transfer"), dict):  # injected: rows never offered
+            self.injected_left -= 1
             meta = {**meta, "transfer": {**meta["transfer"], "uuid": int(meta["transfer"].get("uuid", 0)) ^ 1}}
             timeout = 1.0
         else:
-            timeout = cfg.pull_timeout_s
+            timeout = self.cfg.pull_timeout_s
         loop = asyncio.get_running_loop()
         try:
             # blocking: in a worker thread, the event loop keeps serving the other streams
-            req, stats = await loop.run_in_executor(None, xfer.pull_request, meta, timeout)
+            req, stats = await loop.run_in_executor(None, self.xfer.pull_request, meta, timeout)
         except ValueError as e:
             raise APIError(str(e), param="prefilled") from None
         except KVTransferFailed as e:
@@ -181,10 +181,17 @@ def add_worker_routes(app: web.Application, cfg: WorkerConfig, xfer: KVTransfer,
                 stream.abort()
         return resp
 
-    app.router.add_get("/internal/info", info)
-    app.router.add_get("/internal/load", load)
+
+def add_worker_routes(app: web.Application, cfg: WorkerConfig, xfer: KVTransfer, max_model_len: int,
+                      vocab_size: int) -> None:
+    """Adds the internal routes to an app built by app.build_app / make_app over the worker's engine."""
+    if cfg.role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {cfg.role!r}")
+    routes = WorkerRoutes(cfg, xfer, max_model_len, vocab_size)
+    app.router.add_get("/internal/info", routes.info)
+    app.router.add_get("/internal/load", routes.load)
     if cfg.role == "prefill":
-        app.router.add_post("/internal/prefill", prefill)
+        app.router.add_post("/internal/prefill", routes.prefill)
     else:
-        app.router.add_post("/internal/decode", decode)
+        app.router.add_post("/internal/decode", routes.decode)
 
