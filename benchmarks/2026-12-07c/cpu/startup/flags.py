@@ -1,6 +1,6 @@
 import time, sys, os
 sys.path.insert(0, "/work/main")
-import moejax, jax
+import moejax
 from moejax.tiny.default_model import default_model_path
 m = moejax.load(default_model_path(), max_num_seqs=8, max_model_len=256, max_prefill_tokens=256, progress=False)
 r = m.engine.runner

@@ -1,4 +1,4 @@
-import time, sys, os
+import time, sys
 t0=time.perf_counter()
 sys.path.insert(0, "/work/main")
 import moejax
