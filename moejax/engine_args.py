@@ -32,11 +32,11 @@ import inspect
 import json
 from typing import Any, Callable
 
-from moejax.engine import scheduling_policy as _policy
 from moejax.kernels.common import (KERNEL_MODES, MLA_KERNELS, MOE_KERNELS, SHARED_FUSION, W8A8_DENSE_KERNELS,
                                     W8A8_KERNELS)
 from moejax.layers.fp8_policy import VARIANTS, Fp8Policy
 from moejax.kernels.kv_quant import KV_CACHE_DTYPES
+from moejax import scheduling_spec as _policy
 from pallas_kernels import triton_fp8_dots
 
 DTYPES = ("bfloat16", "float32")
