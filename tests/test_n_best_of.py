@@ -50,7 +50,8 @@ def test_n_samples_with_seed_j_and_shared_prompt(model):
     hits0 = model.engine.scheduler.prefix_cache_hits
     got = moejax.generate(model, [prompt], n=3, seed=seed, logprobs=True, **SAMPLE)
     hits = model.engine.scheduler.prefix_cache_hits - hits0
-    assert hits >= 2 * (len(prompt) // 16) * 16, hits
+    # the full blocks before the last token (a prompt cached whole still computes its last block)
+    assert hits >= 2 * ((len(prompt) - 1) // 16) * 16, hits
     assert len(got) == 3 and len({tuple(r.token_ids) for r in got}) > 1
     for j, r in enumerate(got):
         alone = moejax.generate(model, [prompt], seed=seed + j, logprobs=True, **SAMPLE)[0]
