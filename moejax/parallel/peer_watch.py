@@ -19,13 +19,29 @@ from moejax.parallel.step_channel import _client
 PREFIX = "moejax/alive/"
 BEAT_S = 0.5
 DEFAULT_DEAD_AFTER_S = 10.0
+JOIN_S = 5.0  # a key-value call in flight returns within the coordination service's own timeouts
 
 
-def start_beating() -> threading.Event:
-    """A process other than 0: beats from a daemon thread until the returned event is set."""
-    client, key, stop = _client(), f"{PREFIX}{jax.process_index()}", threading.Event()
+class Stoppable:
+    """A daemon thread and the event that stops it. ``stop`` sets the event and joins the thread: a thread
+    still inside a key-value call when the interpreter finalises is unwound by force through C++ frames and
+    aborts the process ("FATAL: exception not rethrown", signal 6), so the caller stops it before exiting."""
 
-    def beat():
+    def __init__(self, target, name: str):
+        self.event = threading.Event()
+        self.thread = threading.Thread(target=target, args=(self.event,), name=name, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.event.set()
+        self.thread.join(JOIN_S)
+
+
+def start_beating() -> Stoppable:
+    """A process other than 0: beats from a daemon thread until it is stopped."""
+    client, key = _client(), f"{PREFIX}{jax.process_index()}"
+
+    def beat(stop):
         n = 0
         while not stop.is_set():
             try:
@@ -34,16 +50,15 @@ def start_beating() -> threading.Event:
                 return
             n += 1
             stop.wait(BEAT_S)
-    threading.Thread(target=beat, name="moejax-beat", daemon=True).start()
-    return stop
+    return Stoppable(beat, "moejax-beat")
 
 
-def watch(on_dead, dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> threading.Event:
+def watch(on_dead, dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> Stoppable:
     """Process 0: calls ``on_dead(message)`` (once, from a daemon thread) when a process has not beaten
-    for ``dead_after_s``; stops watching when the returned event is set."""
+    for ``dead_after_s``, until it is stopped."""
     if not dead_after_s > 0:
         raise ValueError(f"dead_after_s must be > 0 seconds, got {dead_after_s!r}")
-    client, stop = _client(), threading.Event()
+    client = _client()
     peers = range(1, jax.process_count())
 
     def read(p):
@@ -52,7 +67,7 @@ def watch(on_dead, dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> threading.Even
         except Exception:  # noqa: BLE001 - not beaten yet (NOT_FOUND)
             return None
 
-    def run():
+    def run(stop):
         last = {p: (read(p), time.monotonic()) for p in peers}
         while not stop.wait(BEAT_S):
             now = time.monotonic()
@@ -64,5 +79,4 @@ def watch(on_dead, dead_after_s: float = DEFAULT_DEAD_AFTER_S) -> threading.Even
                     on_dead(f"process {p} of {jax.process_count()} stopped responding (no heartbeat for "
                             f"{dead_after_s:g} s): it died or hangs")
                     return
-    threading.Thread(target=run, name="moejax-peer-watch", daemon=True).start()
-    return stop
+    return Stoppable(run, "moejax-peer-watch")

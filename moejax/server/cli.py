@@ -204,13 +204,13 @@ def main(argv=None, prog: str | None = None) -> int:
     app, aengine = make_app(model, name or a.model, extra_names=(a.model,) if a.model else (), policy=policy,
                             max_body_bytes=int(a.max_request_mb * (1 << 20)), engine=engine, precompile=a.precompile,
                             generation_config=a.generation_config, parsers=serving_parsers(a, model.tokenizer))
-    if multi:
-        peer_watch.watch(aengine.fail, a.peer_timeout)
+    watcher = peer_watch.watch(aengine.fail, a.peer_timeout) if multi else None
     print(f"Serving {name or a.model} on http://{a.host}:{a.port}  (max_model_len={model.max_model_len}, "
           f"KV blocks={model.engine.blocks.num_blocks} x {model.block_size}"
           f"{f', {processes.count()} processes' if multi else ''})", flush=True)
     code = asyncio.run(Server(app, a.host, a.port, shutdown_timeout=a.shutdown_timeout).run())
     if multi and code == 0:
+        watcher.stop()  # before the interpreter exits (peer_watch.Stoppable says why)
         engine.stop_followers()
     elif multi:
         # A process died: the engine thread may be stuck in a collective with it, and jax.distributed's
@@ -365,10 +365,10 @@ def serve_disaggregated(a: argparse.Namespace, path: str, name: str) -> int:
 
 def follow_leader(path: str, kw: dict, precompile: bool = True) -> int:
     """A process other than 0: loads its shards, then steps whatever process 0's engine steps."""
-    stop = peer_watch.start_beating()
+    beating = peer_watch.start_beating()
     model = moejax.load(path, **kw)
     if precompile:  # the same programs as process 0's, compiled here (no collective: each its own)
         model.engine.precompile(progress=False)
     follow(model.engine, StepChannel())
-    stop.set()
+    beating.stop()
     return 0
