@@ -26,7 +26,7 @@ and restart at each one. ``SchedulingPolicy`` holds them: one instance per Sched
 
 from __future__ import annotations
 
-from moejax.scheduling_spec import DEFAULT, INTERLEAVE, OPTIONS, PREFILL_FIRST, TOKEN_BUDGET, canonical, parse  # noqa: F401
+from moejax.scheduling_spec import DEFAULT, INTERLEAVE, TOKEN_BUDGET, canonical, parse
 
 
 class SchedulingPolicy:
