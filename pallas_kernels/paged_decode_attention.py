@@ -61,9 +61,14 @@ def _online_softmax(n_tiles, body, BH: int, C: int, o_ref, lse_ref):
 def _load_rows(cache_ref, layer: int, rows, start: int, width: int, valid, fp8: bool, cdt, interpret: bool):
     """Cache rows ``rows`` (a slice or a vector of slots), columns [start, start + width), zero where
     ``valid`` [rows] is False, in the compute dtype."""
-    # Select after the load for FP8 (Triton cannot fill FP8 with a zero "other") and for gathered
-    # rows in the interpreter (it has no masked gather).
-    if fp8 or (interpret and not isinstance(rows, pl.Slice)):
+    # FP8: a plain load, no mask and no select (Triton cannot fill FP8 with a zero "other", and a select
+    # after the load kept the tile in registers). The callers index only rows that hold finite values
+    # (a gather clamps its slots to the sequence's own tokens; a page tile reads whole allocated pages of
+    # the zero-initialised cache), and the rows past the length get probability 0, so their values add 0.
+    if fp8:
+        return cache_ref[layer, rows, pl.ds(start, width)].astype(cdt)
+    # Gathered rows in the interpreter: a select after the load (it has no masked gather).
+    if interpret and not isinstance(rows, pl.Slice):
         x = cache_ref[layer, rows, pl.ds(start, width)].astype(cdt)
         return jnp.where(valid[:, None], x, jnp.zeros((), cdt))
     # Masked loads (zero fill) rather than a select after the load: the load then feeds the dots
@@ -72,7 +77,7 @@ def _load_rows(cache_ref, layer: int, rows, start: int, width: int, valid, fp8: 
     return masked_load(cache_ref.at[lyr, rows, pl.ds(start, width)], valid[:, None]).astype(cdt)
 
 
-def _mla_split_kernel(*refs, layer, C, R, block_size, nb, block_t, split_len, scale, fp8, v_off, scale_col,
+def _mla_split_kernel(*refs, layer, C, R, block_size, block_t, split_len, scale, fp8, v_off, scale_col,
                       interpret):
     """Per-token gather tile: ``block_t`` token rows (slots through the block table, across pages) in
     one dot each for the scores and the values. Columns as in ``_mla_pages_kernel``."""
@@ -97,9 +102,8 @@ def _mla_split_kernel(*refs, layer, C, R, block_size, nb, block_t, split_len, sc
         m, l, acc = carry
         t = start + i * block_t + offs  # [T] token positions
         valid = t < seq_len
-        blk = jnp.minimum(t // block_size, nb - 1)
-        page = bt_ref[b, blk]
-        slot = jnp.where(valid, page * block_size + t % block_size, 0)
+        tc = jnp.minimum(t, seq_len - 1)  # rows past the length read the sequence's last token (masked below)
+        slot = bt_ref[b, tc // block_size] * block_size + tc % block_size
         key = _load_rows(cache_ref, layer, slot, 0, C, valid, fp8, cdt, interpret)  # [T, C] gathered rows
         sc = jax.lax.dot_general(ql, key, (((1,), (1,)), ((), ())), preferred_element_type=f32)
         if R:
@@ -108,7 +112,7 @@ def _mla_split_kernel(*refs, layer, C, R, block_size, nb, block_t, split_len, sc
         val = key if v_off is None else _load_rows(cache_ref, layer, slot, v_off, C, valid, fp8, cdt, interpret)
         if fp8:
             byte = jax.lax.bitcast_convert_type(cache_ref[layer, slot, scale_col], jnp.uint8)
-            row_scale = jnp.exp2(byte.astype(f32) - 127.0)  # [T]
+            row_scale = jnp.where(valid, jnp.exp2(byte.astype(f32) - 127.0), 0.0)  # [T]
             sc = sc * (row_scale * scale)[None, :]
         else:
             sc = sc * scale
@@ -124,7 +128,7 @@ def _mla_split_kernel(*refs, layer, C, R, block_size, nb, block_t, split_len, sc
     _online_softmax(n_tiles, body, BH, C, o_ref, lse_ref)
 
 
-def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_pages, scale, fp8, v_off,
+def _mla_pages_kernel(*refs, layer, C, R, block_size, pages_per_tile, split_pages, scale, fp8, v_off,
                       scale_col, interpret):
     """Like ``_mla_split_kernel`` but a tile is ``pages_per_tile`` whole cache pages, each read as one
     contiguous [block_size, D] slab (a scalar page id, then a plain strided load: no per-token gather).
@@ -143,6 +147,7 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
     page0 = s * split_pages
     n_pages = jnp.clip((seq_len + block_size - 1) // block_size - page0, 0, split_pages)
     n_tiles = (n_pages + pages_per_tile - 1) // pages_per_tile
+    last_page = (seq_len - 1) // block_size
     ql = ql_ref[...]  # [BH, C]
     qr = qr_ref[...] if R else None  # [BH, R]
     cdt = ql.dtype
@@ -158,7 +163,7 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
         for j in range(pages_per_tile):  # unrolled: independent loads in flight together
             p_idx = page0 + i * pages_per_tile + j
             valid = p_idx * block_size + offs < seq_len  # [bs]; split_pages % pages_per_tile == 0
-            page = jnp.where(p_idx * block_size < seq_len, bt_ref[b, jnp.minimum(p_idx, nb - 1)], 0)
+            page = bt_ref[b, jnp.minimum(p_idx, last_page)]  # pages past the length: the last one (masked)
             rows = pl.ds(page * block_size, block_size)
             key = load(rows, 0, C, valid)  # [bs, C]
             sc = jax.lax.dot_general(ql, key, (((1,), (1,)), ((), ())), preferred_element_type=f32)
@@ -168,7 +173,7 @@ def _mla_pages_kernel(*refs, layer, C, R, block_size, nb, pages_per_tile, split_
             val = key if v_off is None else load(rows, v_off, C, valid)
             if fp8:
                 byte = jax.lax.bitcast_convert_type(cache_ref[layer, rows, scale_col], jnp.uint8)
-                row_scale = jnp.exp2(byte.astype(f32) - 127.0)  # [bs]
+                row_scale = jnp.where(valid, jnp.exp2(byte.astype(f32) - 127.0), 0.0)  # [bs]
                 sc = sc * (row_scale * scale)[None, :]
             else:
                 row_scale = None
@@ -229,13 +234,13 @@ def paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, *, b
         ppt = max(1, block_t // block_size)
         split_pages = pl.cdiv(pl.cdiv(nb, num_splits), ppt) * ppt  # tiles never cross a split
         num_splits = pl.cdiv(nb, split_pages)
-        kernel = functools.partial(_mla_pages_kernel, layer=layer, C=C, R=R, block_size=block_size, nb=nb,
+        kernel = functools.partial(_mla_pages_kernel, layer=layer, C=C, R=R, block_size=block_size,
                                    pages_per_tile=ppt, split_pages=split_pages, scale=float(scale), fp8=fp8,
                                    v_off=v_offset, scale_col=kv_cols, interpret=interpret)
     else:
         split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_t) * block_t
         num_splits = pl.cdiv(max_len, split_len)
-        kernel = functools.partial(_mla_split_kernel, layer=layer, C=C, R=R, block_size=block_size, nb=nb,
+        kernel = functools.partial(_mla_split_kernel, layer=layer, C=C, R=R, block_size=block_size,
                                    block_t=block_t, split_len=split_len, scale=float(scale), fp8=fp8,
                                    v_off=v_offset, scale_col=kv_cols, interpret=interpret)
     grid = (Hp // block_h, num_splits, B)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GPU calls (2026-12-07d, issue 40). From gpusnap/ (a snapshot of HEAD): bash benchmarks/2026-12-07d/gpu1.sh PHASE
+# a: the Pallas MLA kernel with plain (unmasked, unselected) FP8 loads against the Triton kernel and XLA,
+#    tile sweeps at 16 heads (FP8) and 128 heads (bf16, FP8); the kernel tests on the GPU.
+set -u
+PH=${1:-a}
+R=/tmp/r; mkdir -p $R; OUT0=$OUT
+pack() { tar czf $OUT0/r.tgz -C /tmp r; }
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv > $R/gpu.txt
+python3 -m pip install --no-deps ../.whl/jax_triton-0.3.1-py3-none-any.whl > $R/pip.txt 2>&1
+export PYTHONPATH=$PWD MOEJAX_PALLAS_INTERPRET=0 PYTHONUNBUFFERED=1
+run() { local name=$1 t=$2; shift 2; local s=$SECONDS; timeout $t "$@" > $R/$name.txt 2>&1; echo "$name rc=$? $((SECONDS-s))s" | tee -a $R/log.txt; pack; }
+G16='[{"kernel":["pallas"],"tile":["gather"],"block_h":[16],"block_t":[32,64,128],"num_warps":[4],"num_stages":[2,3]},
+ {"kernel":["pallas"],"tile":["pages"],"block_h":[16],"block_t":[16,32,64],"num_warps":[4],"num_stages":[2,3]}]'
+G128='[{"kernel":["pallas"],"tile":["gather"],"block_h":[16,32],"block_t":[32,64],"num_warps":[4],"num_stages":[2,3]},
+ {"kernel":["pallas"],"tile":["gather"],"block_h":[64],"block_t":[32,64],"num_warps":[8],"num_stages":[2,3]},
+ {"kernel":["pallas"],"tile":["pages"],"block_h":[32],"block_t":[16,32],"num_warps":[4],"num_stages":[2,3]}]'
+if [ "$PH" = a ]; then
+run mla16 150 python3 scripts/bench_kernels.py --only mla --batch 64 256 --context 2048 --heads 16 --kv fp8 bf16 --sweep --sweep-kv fp8 --grid "$G16"
+run mla128 330 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv fp8 bf16 --sweep --sweep-kv fp8 bf16 --grid "$G128"
+run pytest 100 env JAX_PLATFORMS=cuda python3 -m pytest -q -n0 -p no:cacheprovider -o addopts="" tests/test_kernels.py -k "mla_decode_matches or mfa_decode_kernel or xla_path_reads"
+fi
