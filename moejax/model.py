@@ -24,7 +24,7 @@ from moejax.eplb.balancer import ExpertLoadBalancer, initial_placements, routing
 from moejax.json_file import load_json_file
 from moejax.kernels.common import KernelScopedModule
 from moejax.layers.fp8_policy import Fp8Policy
-from moejax.models.registry import abstract_params, build_module, family_for, parse_model_config
+from moejax.models.registry import abstract_params, build_module, family_for, family_of, parse_model_config
 from moejax.parallel import processes
 from moejax.parallel.sharding import make_mesh, param_logical_axes, put_replicated, spec
 from moejax.tiny.presets import PRESETS
@@ -169,8 +169,7 @@ def random_weights_model(config: EngineConfig, hf_config: dict, *, seed: int = 0
     placer = ParamPlacer(config)
     if params is None:
         abstract = abstract_params(config.model, config.dtype, config.fp8)
-        params = random_device_params(config.model, config.dtype, seed, fp8=config.fp8,
-                                      shardings=placer.restore_shardings(abstract))
+        params = random_device_params(abstract, seed, shardings=placer.restore_shardings(abstract))
     tokenizer_dir = temp_tokenizer_dir() if tokenizer_dir is None else tokenizer_dir
     return Model(config, hf_config, placer.tree(params), Tokenizer(tokenizer_dir), source_dir or tokenizer_dir, placer,
                  tokenizer_dir=tokenizer_dir)
@@ -286,8 +285,9 @@ def _load(path, args: EngineArgs, progress: bool) -> Model:
         params = placer.tree(params)
         reblock_error = saved.get("fp8_reblock_error")  # what re-blocking cost when it was saved
     else:
-        params = load_hf_params(path, config.model, dtype, progress, config.fp8, place=placer,
-                                experts_needed=placer.experts_needed, reblock=reblock)
+        params = load_hf_params(path, config.model, family_of(config.model),
+                                abstract_params(config.model, dtype, config.fp8), progress, config.fp8.block,
+                                place=placer, experts_needed=placer.experts_needed, reblock=reblock)
         reblock_error = reblock.summary()
     return Model(config, hf_config, params, Tokenizer(path), path, placer, fp8_reblock_error=reblock_error)
 

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moejax import generate  # noqa: E402
 from moejax.benchmark.ep import all_to_all_rate, time_dispatch  # noqa: E402
 from moejax.engine.sampling_params import SamplingParams  # noqa: E402
-from moejax.models.registry import parse_model_config  # noqa: E402
+from moejax.models.registry import abstract_params, parse_model_config  # noqa: E402
 from moejax.parallel.dispatch import BACKENDS  # noqa: E402
 from moejax.parallel.ffi_library import available as ffi_available  # noqa: E402
 from moejax.parallel.sharding import make_mesh  # noqa: E402
@@ -90,7 +90,7 @@ def cmd_check(a, n: int) -> int:
     jax.config.update("jax_default_matmul_precision", "highest")
     hf = model_config(a, n)
     cfg = parse_model_config(hf)
-    base = random_device_params(cfg, "float32", seed=1, std=0.1)
+    base = random_device_params(abstract_params(cfg, "float32"), seed=1, std=0.1)
     rng = np.random.default_rng(0)
     ids = rng.integers(2, cfg.vocab_size, size=(8, 21))
     prompts = [rng.integers(2, cfg.vocab_size, size=int(rng.integers(3, 30))).tolist() for _ in range(10)]
@@ -141,7 +141,7 @@ def cmd_eplb(a, n: int) -> int:
     cfg = parse_model_config(hf)
     E = cfg.n_routed_experts
     bias = -a.skew * np.log1p(np.arange(E))  # popularity falls with the expert id: contiguous ranks skew
-    params = skew_router(random_device_params(cfg, "float32", seed=2, std=0.1), bias)
+    params = skew_router(random_device_params(abstract_params(cfg, "float32"), seed=2, std=0.1), bias)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, cfg.vocab_size, size=16).tolist() for _ in range(a.batch)]
     print(f"ranks {n}, {E} experts top-{cfg.num_experts_per_tok}, router bias -{a.skew} log(1 + id), "

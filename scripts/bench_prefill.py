@@ -309,7 +309,7 @@ def bench_weights(name, hf, cfg, dtype, wd: str, a_args, rate: float, results: d
     if a_args.smoke and wd == "bf16":  # NumPy weights: no per-leaf compilation on the CPU
         params = jax.tree.map(lambda x: jnp.asarray(x, dtype), random_params(cfg))
     else:
-        params = random_device_params(cfg, a_args.dtype, fp8=fp8)
+        params = random_device_params(abstract_params(cfg, a_args.dtype, fp8))
     m = random_model(hf, params=params, kernels="xla", max_model_len=min(cfg.max_position_embeddings, 4096),
                      **engine_settings(a_args), **wkw)
     a = attention_shapes(cfg)

@@ -32,7 +32,7 @@ from moejax.benchmark.decode_setup import (add_engine_flags, bench_hf_config, en
                                            fill_without_prefill)
 from moejax.config import EngineConfig  # noqa: E402
 from moejax.engine.sampling_params import SamplingParams  # noqa: E402
-from moejax.models.registry import parse_model_config  # noqa: E402
+from moejax.models.registry import abstract_params, parse_model_config  # noqa: E402
 from moejax.model import random_model  # noqa: E402
 from moejax.weights.random_params import random_device_params  # noqa: E402
 
@@ -115,7 +115,8 @@ def main(argv=None):
     for layers in layer_counts:
         hf = bench_hf_config(a.preset, layers, num_nextn_predict_layers=1)
         cfg = parse_model_config(hf)
-        params = random_device_params(cfg, a.dtype, fp8=EngineConfig.create(cfg, max_model_len=64).fp8)
+        fp8 = EngineConfig.create(cfg, max_model_len=64).fp8
+        params = random_device_params(abstract_params(cfg, a.dtype, fp8))
         print(f"device: {jax.devices()[0].device_kind}; {a.preset} with {cfg.num_hidden_layers} layers + MTP, "
               f"input {a.input_len}, kv {a.kv_dtype}; tokens/s at acceptance {a.acceptance} are PROJECTIONS "
               "(random weights accept nothing): B x sum_{i<=k} a^i / step time")

@@ -268,7 +268,7 @@ def test_any_checkpoint_block_is_reblocked_to_128(tmp_path, name, block):
     experts stacked on disk ([E, out, in], scales [E, rows, cols]): the loader (no engine) gives float8
     leaves with 128x128 scales only, warns once, and the measured error is within the half-ulp bounds."""
     from moejax.layers.fp8_policy import Fp8Policy
-    from moejax.models.registry import parse_model_config
+    from moejax.models.registry import abstract_params, family_of, parse_model_config
     from moejax.weights.fp8 import ReblockStats
     from moejax.weights.loader import load_hf_params
     hf = {"v3": CFG, "step3": STEP3}[name]
@@ -277,8 +277,8 @@ def test_any_checkpoint_block_is_reblocked_to_128(tmp_path, name, block):
     assert cfg.fp8_block_size == block
     stats = ReblockStats()
     with pytest.warns(UserWarning, match=rf"{block[0]}x{block[1]} weight blocks.*re-blocked to 128x128"):
-        flat = flatten(load_hf_params(d, cfg, "bfloat16", progress=False, fp8=Fp8Policy.create("default"),
-                                      reblock=stats))
+        abstract = abstract_params(cfg, "bfloat16", Fp8Policy.create("default"))
+        flat = flatten(load_hf_params(d, cfg, family_of(cfg), abstract, progress=False, reblock=stats))
     fp8 = [p for p, a in flat.items() if a.dtype == ml_dtypes.float8_e4m3fn]
     assert fp8
     for p in fp8:

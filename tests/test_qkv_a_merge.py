@@ -14,7 +14,7 @@ import moejax
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.mla import MLA
-from moejax.models.registry import abstract_params, load_model_config, parse_model_config
+from moejax.models.registry import abstract_params, family_of, load_model_config, parse_model_config
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 from moejax.weights.loader import load_hf_params
@@ -47,7 +47,8 @@ def test_loaded_qkv_a_is_the_checkpoints_two_tensors_stacked(tmp_path, q_lora, f
     hf = preset("v3-tiny", q_lora_rank=q_lora)
     d = make_random_checkpoint(str(tmp_path), hf, seed=int(np.random.default_rng().integers(2 ** 31)), fp8=fp8)
     cfg = load_model_config(d)  # with the FP8 checkpoint's quantization_config
-    got = flatten(load_hf_params(d, cfg, "float32", progress=False, fp8=ATTN if fp8 else NO_FP8))
+    abstract = abstract_params(cfg, "float32", ATTN if fp8 else NO_FP8)
+    got = flatten(load_hf_params(d, cfg, family_of(cfg), abstract, progress=False))
     f = CheckpointReader(d)
     for layer in range(cfg.num_hidden_layers):
         leaf = (f"layers_{layer}", "self_attn", "qkv_a_proj")
@@ -99,7 +100,8 @@ def test_a_missing_half_is_named(tmp_path):
     tensors = {k: np.array(f.get(k)) for k in f.keys() if k != KV_A.format(1)}
     save_safetensors(tensors, path)
     with pytest.raises(ValueError, match=KV_A.format(1).replace(".", r"\.")):
-        load_hf_params(str(tmp_path), parse_model_config(preset("v3-tiny")), "float32", progress=False)
+        cfg = parse_model_config(preset("v3-tiny"))
+        load_hf_params(str(tmp_path), cfg, family_of(cfg), abstract_params(cfg, "float32"), progress=False)
 
 
 def test_a_save_from_before_the_merge_is_refused(tmp_path):

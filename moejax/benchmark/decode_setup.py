@@ -141,7 +141,7 @@ def build_decode_batch(hf, parallel, kernels, a, weight_dtype="bf16", async_sche
         gc.collect()
         cfg = parse_model_config(hf)
         fp8 = EngineConfig.create(cfg, **weight_kw(weight_dtype)).fp8
-        _PARAMS[weight_dtype] = random_device_params(cfg, a.dtype, fp8=fp8)
+        _PARAMS[weight_dtype] = random_device_params(abstract_params(cfg, a.dtype, fp8))
     ranks = 1 if parallel == "none" else ParallelConfig.load(parallel).num_ranks
     per_rank = -(-a.concurrency // ranks)  # --concurrency is over the node; sizes below are per rank
     spare = per_rank * (speculative_config or {}).get("num_speculative_tokens", 0)  # the drafts' rows

@@ -12,9 +12,9 @@ from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.linear import Embedding, Linear
 from moejax.layers.mlp import GatedMLP
-from moejax.layers.moe import MoE
 from moejax.layers.norm import RMSNorm
 from moejax.layers.paged_attention import query_rows
+from moejax.models.moe import MoE
 from moejax.parallel.dispatch import ExpertParallel
 
 

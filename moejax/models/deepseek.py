@@ -2,7 +2,7 @@
 
 Pre-norm residual blocks of MLA attention (moejax/layers/mla.py) and a dense SiLU MLP
 (the first ``first_k_dense_replace`` layers) or the MoE block (router + routed experts
-+ shared experts, moejax/layers/moe.py).
++ shared experts, moejax/models/moe.py).
 
 HF names keep HF's layout ([out, in]) and map one to one onto the parameter tree
 (``model.layers.3.self_attn.q_a_proj.weight`` -> ``layers_3/self_attn/q_a_proj/weight``),

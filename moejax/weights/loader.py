@@ -41,9 +41,7 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.linear import SCALE_SUFFIX
-from moejax.models.registry import abstract_params, family_of
 from moejax.weights.checked_tensors import CheckedTensors, np_dtype
 from moejax.weights.fp8 import ReblockStats, dequantize_block_fp8, quantize_block_fp8, reblock_fp8
 from moejax.weights.param_tree import flatten, is_stacked_expert, unflatten
@@ -88,17 +86,21 @@ def _check_shape(name: str, arr, want: tuple) -> None:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(want)}")
 
 
-def load_hf_params(directory: str, cfg, dtype: str = "bfloat16", progress: bool = True, fp8: Fp8Policy = NO_FP8,
+def load_hf_params(directory: str, cfg, family, abstract, progress: bool = True,
+                   want_block: tuple[int, int] = (128, 128),
                    place: Callable[[tuple[str, ...], np.ndarray], object] | None = None,
                    experts_needed: Callable[[tuple[str, ...]], set[int] | None] | None = None,
                    reblock: ReblockStats | None = None):
     """The parameter pytree: NumPy arrays, or whatever ``place(path, array)`` returns for each leaf.
+    ``family``: the model's ``ModelFamily`` (its name table) and ``abstract``: the ShapeDtypeStruct tree
+    the model declares (``moejax.models.registry.family_of`` and ``abstract_params``; passed in, so the
+    loader knows no model). ``want_block``: the device's FP8 weight blocks (the engine's ``Fp8Policy.block``).
     ``experts_needed(experts module path)``: the routed experts to convert (None: all); the rows of the
     others are left unset, for a ``place`` that never reads them (one process of several: its own
     shards only). Every tensor is still checked for presence and shape. ``reblock``: filled with the
     re-blocking error of an FP8 checkpoint whose blocks are not the device's (``summary()`` None when
     nothing was re-blocked); reported either way (a UserWarning and a line on stderr)."""
-    load = _Assembly(cfg, abstract_params(cfg, dtype, fp8), fp8.block, place or (lambda path, a: a),
+    load = _Assembly(cfg, family, abstract, want_block, place or (lambda path, a: a),
                      experts_needed or (lambda module: None), ReblockStats() if reblock is None else reblock)
     tensors = CheckedTensors(directory, cfg)
     for name in tensors.names(progress):
@@ -134,8 +136,8 @@ class _Assembly:
     """One load's state: the leaves finished (``out``, each already ``place``d), the stacked expert leaves
     and fused leaves still being assembled, and which HF tensor filled what (duplicates refused)."""
 
-    def __init__(self, cfg, abstract, want_block, place, needed, reblock: ReblockStats):
-        self.cfg, self.family, self.block = cfg, family_of(cfg), cfg.fp8_block_size
+    def __init__(self, cfg, family, abstract, want_block, place, needed, reblock: ReblockStats):
+        self.cfg, self.family, self.block = cfg, family, cfg.fp8_block_size
         self.expected = flatten(abstract)
         self.want_block, self.place, self.needed, self.reblock = want_block, place, needed, reblock
         self.out: dict[tuple[str, ...], object] = {}

@@ -8,9 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.linear import SCALE_SUFFIX
-from moejax.models.registry import abstract_params
 from moejax.weights.param_tree import flatten, unflatten
 
 
@@ -44,14 +42,14 @@ def _maker(kind: str, shape: tuple[int, ...], dtype, std: float, sharding):
     return jax.jit(make, out_shardings=sharding)
 
 
-def random_device_params(cfg, dtype: str, seed: int = 0, std: float = 0.02, fp8: Fp8Policy = NO_FP8,
-                         shardings=None):
-    """Random weights made on the device, shaped like the model (FP8 leaves: e4m3 codes of about
-    std 112 with block scales std / 112, i.e. weights of std ``std``). ``shardings``: a pytree of
-    the same structure giving each leaf's sharding (each device makes only its own shards:
-    ``ParamPlacer.restore_shardings``); None: every leaf on the default device. The values do not
-    depend on the shardings."""
-    leaves = flatten(abstract_params(cfg, dtype, fp8))
+def random_device_params(abstract, seed: int = 0, std: float = 0.02, shardings=None):
+    """Random weights made on the device, shaped like ``abstract``: the ShapeDtypeStruct tree the model
+    declares (``moejax.models.registry.abstract_params(cfg, dtype, fp8)``; passed in, so this module knows
+    no model). FP8 leaves: e4m3 codes of about std 112 with block scales std / 112, i.e. weights of std
+    ``std``. ``shardings``: a pytree of the same structure giving each leaf's sharding (each device makes
+    only its own shards: ``ParamPlacer.restore_shardings``); None: every leaf on the default device. The
+    values do not depend on the shardings."""
+    leaves = flatten(abstract)
     where = flatten(shardings) if shardings is not None else {}
     key = jax.random.key(seed)
     out = {}

@@ -1,4 +1,8 @@
-"""The MoE block: router, routed experts (stacked weights) and shared experts (DeepSeek, Step3)."""
+"""The MoE block: router, routed experts (stacked weights) and shared experts (DeepSeek, Step3).
+
+It stands over moejax/parallel/ (it picks the expert-parallel dispatch backend, whose backends run
+moejax/layers/experts.py), so here beside decoder.py, its one user, not among the single-device
+blocks of moejax/layers/."""
 
 from __future__ import annotations
 
