@@ -165,6 +165,22 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     """The raw JSON body -> a ParsedRequest (tokenised). CPU-bound: the app runs it in a worker thread."""
     body = _validate(schemas.ChatCompletionRequest if chat else schemas.CompletionRequest, raw)
     model = check_model(body.model, ctx)
+    _refuse_unsupported(body)
+    logprobs, top_n = _logprobs_asked(body, chat)
+    prompts = _request_prompts(body, ctx, chat)
+    max_tokens, echo_only = _max_tokens(body, ctx, chat, max(len(ids) for ids in prompts))
+    params = _sampling_params(body, ctx, max_tokens, logprobs, top_n)
+    so = body.stream_options
+    req = ParsedRequest(chat, prompts, params, body.stream, so.include_usage if so else False, logprobs,
+                         body.return_token_ids, model, top_n, body.return_tokens_as_token_ids,
+                         so.continuous_usage_stats if so else False, body.request_id,
+                        _output_parsing(body, ctx) if chat else None)
+    return _with_samples(req, body, ctx, echo_only)
+
+
+def _refuse_unsupported(body) -> None:
+    """A 400 for a field this server does not honour (refused rather than ignored) and for stream_options
+    without a stream."""
     refused = schemas.refused_field(body)
     if refused is not None:
         key, v = refused
@@ -174,13 +190,20 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     if body.stream_options is not None and not body.stream:
         raise APIError("'stream_options' can only be given when 'stream' is true", param="stream_options")
 
-    if chat:
-        logprobs, top_n = body.logprobs, body.top_logprobs or 0
-        if top_n and not logprobs:  # as OpenAI and vLLM: no silent null
-            raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    else:  # logprobs: N asks for the sampled token's logprob and N alternatives
-        logprobs, top_n = body.logprobs is not None, body.logprobs or 0
 
+def _logprobs_asked(body, chat: bool) -> tuple[bool, int]:
+    """(the sampled token's logprob asked, how many alternatives): chat's logprobs / top_logprobs, a
+    completion's logprobs N (the sampled token's and N alternatives)."""
+    if not chat:
+        return body.logprobs is not None, body.logprobs or 0
+    top_n = body.top_logprobs or 0
+    if top_n and not body.logprobs:  # as OpenAI and vLLM: no silent null
+        raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return body.logprobs, top_n
+
+
+def _request_prompts(body, ctx: ServingContext, chat: bool) -> list[list[int]]:
+    """The request's prompts as token ids (truncated as asked), each leaving room for a completion."""
     if chat:
         prompts = [_chat_prompt_ids(body, ctx)]
     else:
@@ -190,12 +213,18 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     if body.stream and len(prompts) > 1:
         raise APIError("a list of prompts cannot be streamed (stream: false, or one request a prompt)",
                        param="prompt")
-    n = max(len(ids) for ids in prompts)  # the longest prompt bounds max_tokens
+    n = max(len(ids) for ids in prompts)
     what = "messages" if chat else "prompt"
     if n >= ctx.max_model_len:
         raise APIError(f"This model's maximum context length is {ctx.max_model_len} tokens. However, your "
                        f"{what} has {n} tokens, which leaves no room for a completion.", param=what)
+    return prompts
 
+
+def _max_tokens(body, ctx: ServingContext, chat: bool, n: int) -> tuple[int, bool]:
+    """(the completion's token budget, whether only the prompt is echoed) for a longest prompt of ``n``
+    tokens: the request's max_tokens (chat: or max_completion_tokens), else the server's default, within
+    the context."""
     key, max_tokens = "max_tokens", body.max_tokens
     if chat and max_tokens is None:
         key, max_tokens = "max_completion_tokens", body.max_completion_tokens
@@ -203,6 +232,7 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
     if echo_only:
         max_tokens = 1  # the prefill samples a token anyway; sample_outputs drops it
     room = ctx.max_model_len - n
+    what = "messages" if chat else "prompt"
     if max_tokens is None:
         max_tokens = min(ctx.defaults.get("max_new_tokens", room if chat else 16), room)
     elif max_tokens < 1:
@@ -211,7 +241,12 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         raise APIError(f"This model's maximum context length is {ctx.max_model_len} tokens. However, you "
                        f"requested {n + max_tokens} tokens ({n} in the {what}, {max_tokens} for the "
                        f"completion). Please reduce the length of the {what} or the completion.", param=key)
+    return max_tokens, echo_only
 
+
+def _sampling_params(body, ctx: ServingContext, max_tokens: int, logprobs: bool, top_n: int) -> SamplingParams:
+    """The request's SamplingParams (the server's defaults where it gives none), checked and prepared; a
+    400 naming the field SamplingParams refuses."""
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     kw = dict(
         max_new_tokens=max_tokens,
@@ -236,12 +271,7 @@ def parse_request(raw: bytes, ctx: ServingContext, chat: bool) -> ParsedRequest:
         msg = str(e).replace("max_new_tokens", "max_tokens")
         field = msg.split(" ", 1)[0].rstrip(":")
         raise APIError(msg, param=field if field in body.model_fields_set else None) from None
-    so = body.stream_options
-    req = ParsedRequest(chat, prompts, params, body.stream, so.include_usage if so else False, logprobs,
-                         body.return_token_ids, model, top_n, body.return_tokens_as_token_ids,
-                         so.continuous_usage_stats if so else False, body.request_id,
-                        _output_parsing(body, ctx) if chat else None)
-    return _with_samples(req, body, ctx, echo_only)
+    return params
 
 
 def _tool_choice(body):
