@@ -204,32 +204,49 @@ def fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_d
     BK2 = min(block_k_down, BN, SB)  # divides I_pad (powers of two, BK2 <= BN) and 128
     check_blocks(BN, BK, "gate/up ")
     check_blocks(BN2, BK2, "down ")
+    _check_weight_shapes(E, H, I, nk, w_gate=w_gate, w_up=w_up, w_down=w_down, s_gate=s_gate, s_up=s_up,
+                         s_down=s_down)
+    s_gate, s_up, s_down = (s.astype(jnp.float32) for s in (s_gate, s_up, s_down))
+    tile_expert, row_src, out_pos, out_valid = moe_align_block_size(group_sizes, N, BM)
+    I_pad = pl.cdiv(I, BN) * BN
+    cp = compiler_params(num_warps, num_stages)
+    fuse_quant = a8 and BN == SB
+    h = _gate_up(x_sorted, tile_expert, row_src, w_gate, s_gate, w_up, s_up, H=H, I=I, I_pad=I_pad, BM=BM, BN=BN,
+                 BK=BK, a8=a8, fmt=fmt, fuse_quant=fuse_quant, nk=nk, cdt16=cdt16, cp=cp, interpret=interpret)
+    if a8:
+        h = h if fuse_quant else act_quant(h)  # (codes, scales) per token per 128 channels
+    y = _down(tile_expert, h, w_down, s_down, H=H, I=I, I_pad=I_pad, BM=BM, BN=BN2, BK=BK2, a8=a8, fmt=fmt, nk=nk,
+              cdt16=cdt16, cp=cp, interpret=interpret)
+    out = y[out_pos, :H]
+    return jnp.where(out_valid[:, None], out, 0.0)
+
+
+def _check_weight_shapes(E: int, H: int, I: int, nk: bool, **arrays) -> None:
+    """A ValueError naming the first weight or scale whose shape is not the one ``fused_moe_fp8`` takes."""
     def io(a, b):  # a shape given as (in, out), in the weights' layout
         return (b, a) if nk else (a, b)
 
     lay = "[E, out, in]" if nk else "[E, in, out]"
-    for name, w, shape in (("w_gate", w_gate, io(H, I)), ("w_up", w_up, io(H, I)), ("w_down", w_down, io(I, H))):
-        if tuple(w.shape) != (E, *shape):
-            raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {(E, *shape)} ({lay})")
-    for name, s, shape in (("s_gate", s_gate, io(pl.cdiv(H, SB), pl.cdiv(I, SB))),
-                           ("s_up", s_up, io(pl.cdiv(H, SB), pl.cdiv(I, SB))),
-                           ("s_down", s_down, io(pl.cdiv(I, SB), pl.cdiv(H, SB)))):
-        if tuple(s.shape) != (E, *shape):
-            raise ValueError(f"{name} has shape {tuple(s.shape)}, expected {(E, *shape)} (128 x 128 blocks, {lay})")
-    s_gate, s_up, s_down = (s.astype(jnp.float32) for s in (s_gate, s_up, s_down))
-    tile_expert, row_src, out_pos, out_valid = moe_align_block_size(group_sizes, N, BM)
-    T = tile_expert.shape[0]
-    I_pad = pl.cdiv(I, BN) * BN
-    H_pad = pl.cdiv(H, BN2) * BN2
-    cp = compiler_params(num_warps, num_stages)
-    whole = pl.no_block_spec
-    fuse_quant = a8 and BN == SB
+    for name, shape in (("w_gate", io(H, I)), ("w_up", io(H, I)), ("w_down", io(I, H))):
+        if tuple(arrays[name].shape) != (E, *shape):
+            raise ValueError(f"{name} has shape {tuple(arrays[name].shape)}, expected {(E, *shape)} ({lay})")
+    for name, shape in (("s_gate", io(pl.cdiv(H, SB), pl.cdiv(I, SB))), ("s_up", io(pl.cdiv(H, SB), pl.cdiv(I, SB))),
+                        ("s_down", io(pl.cdiv(I, SB), pl.cdiv(H, SB)))):
+        if tuple(arrays[name].shape) != (E, *shape):
+            raise ValueError(f"{name} has shape {tuple(arrays[name].shape)}, expected {(E, *shape)} "
+                             f"(128 x 128 blocks, {lay})")
 
+
+def _gate_up(x_sorted, tile_expert, row_src, w_gate, s_gate, w_up, s_up, *, H, I, I_pad, BM, BN, BK, a8, fmt,
+             fuse_quant, nk, cdt16, cp, interpret):
+    """Kernel 1: h = SiLU(x @ W_gate[e]) * (x @ W_up[e]) per row tile [T * BM, I_pad]: x's dtype (w8a16), f32
+    (w8a8), or (FP8 codes, per-128-channel scales) when its epilogue quantises (``fuse_quant``)."""
+    T = tile_expert.shape[0]
     if a8:
         xq, xs = act_quant(x_sorted)
-        args1 = (tile_expert, row_src, xq, xs, w_gate, s_gate, w_up, s_up)
+        args = (tile_expert, row_src, xq, xs, w_gate, s_gate, w_up, s_up)
     else:
-        args1 = (tile_expert, row_src, x_sorted, w_gate, s_gate, w_up, s_up)
+        args = (tile_expert, row_src, x_sorted, w_gate, s_gate, w_up, s_up)
     if fuse_quant:
         out_specs = [pl.BlockSpec((BM, BN), lambda m, n: (m, n)), pl.BlockSpec((BM, None), lambda m, n: (m, n))]
         out_shape = [jax.ShapeDtypeStruct((T * BM, I_pad), FP8),
@@ -237,28 +254,28 @@ def fused_moe_fp8(x_sorted, group_sizes, w_gate, s_gate, w_up, s_up, w_down, s_d
     else:
         out_specs = pl.BlockSpec((BM, BN), lambda m, n: (m, n))
         out_shape = jax.ShapeDtypeStruct((T * BM, I_pad), jnp.float32 if a8 else x_sorted.dtype)
-    h = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_gate_up_kernel, H=H, I=I, BM=BM, BN=BN, BK=BK, a8=a8, fmt=fmt, fuse_quant=fuse_quant,
                           nk=nk, cdt16=cdt16),
         grid=(T, I_pad // BN),
-        in_specs=[whole] * len(args1),
+        in_specs=[pl.no_block_spec] * len(args),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=cp, interpret=interpret, name="moe_fp8_gate_up",
-    )(*args1)
-    if a8:
-        hq, hs = h if fuse_quant else act_quant(h)
-        args2 = (tile_expert, hq, hs, w_down, s_down)
-    else:
-        args2 = (tile_expert, h, w_down, s_down)
-    y = pl.pallas_call(
-        functools.partial(_down_kernel, I=I, I_pad=I_pad, H=H, BM=BM, BN=BN2, BK=BK2, a8=a8, fmt=fmt, nk=nk,
+    )(*args)
+
+
+def _down(tile_expert, h, w_down, s_down, *, H, I, I_pad, BM, BN, BK, a8, fmt, nk, cdt16, cp, interpret):
+    """Kernel 2: h @ W_down[e] per row tile -> [T * BM, H_pad] float32 (``h``: (codes, scales) for w8a8)."""
+    T = tile_expert.shape[0]
+    H_pad = pl.cdiv(H, BN) * BN
+    args = (tile_expert, *h, w_down, s_down) if a8 else (tile_expert, h, w_down, s_down)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, I=I, I_pad=I_pad, H=H, BM=BM, BN=BN, BK=BK, a8=a8, fmt=fmt, nk=nk,
                           cdt16=cdt16),
-        grid=(T, H_pad // BN2),
-        in_specs=[whole] * len(args2),
-        out_specs=pl.BlockSpec((BM, BN2), lambda m, n: (m, n)),
+        grid=(T, H_pad // BN),
+        in_specs=[pl.no_block_spec] * len(args),
+        out_specs=pl.BlockSpec((BM, BN), lambda m, n: (m, n)),
         out_shape=jax.ShapeDtypeStruct((T * BM, H_pad), jnp.float32),
         compiler_params=cp, interpret=interpret, name="moe_fp8_down",
-    )(*args2)
-    out = y[out_pos, :H]
-    return jnp.where(out_valid[:, None], out, 0.0)
+    )(*args)
