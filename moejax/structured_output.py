@@ -21,7 +21,16 @@ text has it, the grammar then starting at the next token (the real checkpoints' 
 
 The grammar ends the answer: once it is complete the mask allows only the stop tokens (EOS), which the
 engine's EOS rule stops on; so ``ignore_eos`` and ``min_tokens`` (which mask EOS) are refused with a
-constraint, and so is speculative decoding (the mask of a draft position depends on the drafts).
+constraint.
+
+With speculative decoding (engine/speculative.py) a verify samples k + 1 rows of a sequence, row j after its
+first j drafts; so row j gets the mask of the grammar advanced over those drafts (``mask_rows``, as vLLM's
+structured outputs do): the matcher takes the drafts one by one, filling each row, then rolls them back. A
+draft the grammar rejects ends the rows that mean something: row j - 1's mask forbids d_j, so the verify
+cannot accept it, and the rows after (their samples dropped) allow every token. The accepted tokens then
+advance the matcher as any sampled ones (the next ``mask_rows`` catches up on them). The drafts are on the
+device when the step before is in flight: ``peek_drafts`` reads them with that step's accepted tokens, once,
+for a batch holding a constrained sequence (it waits for that step: the slower path only such batches take).
 """
 
 from __future__ import annotations
@@ -125,15 +134,12 @@ def grammars_for(tokenizer, vocab_size: int) -> Grammars:
     return Grammars(tokenizer, vocab_size)
 
 
-def check_request(params, speculative: bool) -> None:
+def check_request(params) -> None:
     """A ValueError naming the field that cannot go with a constraint (module docstring says why)."""
     if params.ignore_eos:
         raise ValueError("ignore_eos: a structured output ends with EOS once its grammar is complete")
     if params.min_tokens:
         raise ValueError("min_tokens: it masks EOS, which ends a structured output once its grammar is complete")
-    if speculative:
-        raise ValueError("structured_outputs: not supported with speculative decoding (a draft position's mask "
-                         "depends on the drafts)")
 
 
 # The matchers of the sequences alive in this process (a sequence's goes with it): with none, a decode step's
@@ -142,7 +148,7 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 class SequenceGrammar:
-    """One sequence's matcher, following its output tokens (``mask_row`` catches up on the tokens it has not
+    """One sequence's matcher, following its output tokens (``mask_rows`` catches up on the tokens it has not
     seen, and rolls back those a dropped step took away)."""
 
     def __init__(self, grammars: Grammars, constraint: Constraint, stop_token_ids, tokenizer=None):
@@ -154,37 +160,78 @@ class SequenceGrammar:
         self.matcher = xgr.GrammarMatcher(grammars.compile(constraint), override_stop_tokens=self.stop)
         self.words = xgr.get_bitmask_shape(1, grammars.vocab_size)[1]
         self.accepted: list[int] = []
-        self.pending: tuple[int, int] | None = None  # (output index, token) sampled in the step in flight
+        self.pending: tuple[int, list[int]] | None = None  # (output index, tokens) sampled in the step in flight
+        self.drafts: list[int] | None = None  # the drafts the verify being built checks (peek_drafts)
         _LIVE.add(self)
 
     def mask_row(self, output_ids: list[int]) -> np.ndarray:
-        """int32 [W]: the tokens the grammar allows after ``output_ids`` (and the pending token)."""
+        """int32 [W]: the tokens the grammar allows after ``output_ids`` (and the pending tokens)."""
+        return self.mask_rows(output_ids, 1)[0]
+
+    def mask_rows(self, output_ids: list[int], rows: int) -> np.ndarray:
+        """int32 [rows, W]: row 0 what the grammar allows after ``output_ids`` (and the pending tokens), row j
+        after them and the first j of ``drafts`` (a speculative verify's rows); rows past a draft the grammar
+        rejects, or past the drafts, allow every token (their samples are dropped). Pending tokens and drafts
+        are used once."""
         tokens = list(output_ids)
         if self.pending is not None and self.pending[0] == len(tokens):
-            tokens.append(self.pending[1])
-        self.pending = None
+            tokens += self.pending[1]
+        drafts = [int(t) for t in (self.drafts or ())][:rows - 1]
+        self.pending = self.drafts = None
+        out = np.full((rows, self.words), -1, np.int32)
+        if self._advance(tokens, strict=True):
+            self._fill(out, 0)
+        if not drafts:
+            return out
+        saved = len(self.accepted), self.start, self.scanned  # the real tokens' state, back after the drafts
+        for j in range(1, len(drafts) + 1):
+            took = self._advance(tokens + drafts[:j], strict=False)
+            if took is False:
+                break
+            if took:
+                self._fill(out, j)
+        if len(self.accepted) > saved[0]:
+            self.matcher.rollback(len(self.accepted) - saved[0])
+            del self.accepted[saved[0]:]
+        self.start, self.scanned = saved[1:]
+        return out
+
+    def _advance(self, tokens: list[int], strict: bool) -> bool | None:
+        """The matcher moved to the state after ``tokens`` (the output's, rolled back to where they part). None:
+        still thinking (nothing constrained). ``strict`` (sampled tokens): one the grammar rejects is an error,
+        and those after its stop token are ignored (the engine ends the sequence there); else (drafts) False
+        when the last is rejected, the matcher then after the others."""
         if self.after:
             tokens = self._after_thinking(tokens)
             if tokens is None:
-                return np.full(self.words, -1, np.int32)  # still thinking: every token
-        keep = 0
-        while keep < min(len(self.accepted), len(tokens)) and self.accepted[keep] == tokens[keep]:
-            keep += 1
+                return None
+        keep = len(self.accepted)
+        if tokens[:keep] != self.accepted:
+            keep = 0
+            while keep < min(len(self.accepted), len(tokens)) and self.accepted[keep] == tokens[keep]:
+                keep += 1
         if keep < len(self.accepted):
             self.matcher.rollback(len(self.accepted) - keep)
             del self.accepted[keep:]
         for t in tokens[keep:]:
+            if self.matcher.is_terminated():
+                return strict
             if not self.matcher.accept_token(int(t)):
-                raise RuntimeError(f"token {t} was sampled against the grammar's mask")
+                if strict:
+                    raise RuntimeError(f"token {t} was sampled against the grammar's mask")
+                return False
             self.accepted.append(int(t))
-        row = np.zeros((1, self.words), np.int32)
+        return True
+
+    def _fill(self, out: np.ndarray, j: int) -> None:
+        """Row j of ``out``: the matcher's next-token mask; once it is terminated (its stop token taken, that
+        row's sample dropped: the engine ends the sequence there) the stop tokens, never an empty row."""
         if self.matcher.is_terminated():
-            # it took its stop token in the step in flight: this step's sample is dropped (the engine ends the
-            # sequence when it reads that step); the row allows the stop tokens, never an empty row
-            np.bitwise_or.at(row[0], np.asarray(self.stop) // 32, (1 << (np.asarray(self.stop) % 32)).astype(np.int32))
+            stop = np.asarray(self.stop)
+            out[j] = 0
+            np.bitwise_or.at(out[j], stop // 32, (1 << (stop % 32)).astype(np.int32))
         else:
-            self.matcher.fill_next_token_bitmask(row, 0)
-        return row[0]
+            self.matcher.fill_next_token_bitmask(out, j)
 
     def _after_thinking(self, tokens: list[int]) -> list[int] | None:
         """The tokens after the one that completes ``after`` (None while it has not come); a dropped step that
@@ -204,11 +251,12 @@ class SequenceGrammar:
 
 def sequence_grammar(params, tokenizer, vocab_size: int, eos_token_ids, speculative: bool = False):
     """The SequenceGrammar of a new sequence with these SamplingParams (None without a constraint); a
-    ValueError naming the field for what cannot be served."""
+    ValueError naming the field for what cannot be served. ``speculative``: the engine's, served alike
+    (``mask_rows``; engine/kv_handoff.py still passes it)."""
     c = params.structured_outputs
     if c is None:
         return None
-    check_request(params, speculative)
+    check_request(params)
     if not eos_token_ids:
         raise ValueError("structured_outputs: this model has no EOS token to end a structured output with")
     return SequenceGrammar(grammars_for(tokenizer, vocab_size), c, eos_token_ids, tokenizer)
@@ -225,4 +273,25 @@ def peek_pending(seqs, prev) -> None:
     toks = to_host(prev.sampled[0])
     for s in waiting:
         r, i = prev.index[s.seq_id]
-        s.grammar.pending = (s.num_output_tokens, int(toks[r, i]))
+        s.grammar.pending = (s.num_output_tokens, [int(toks[r, i])])
+
+
+def peek_drafts(seqs, prev, host_drafts) -> None:
+    """Before a speculative verify's masks are built (engine/speculative.py): each constrained sequence's
+    drafts, with its tokens in ``prev`` (the step in flight: its accepted drafts and one more) when it has
+    some there, all read from the device in one copy, which waits for ``prev``; ``host_drafts(seq)``: the
+    drafts of a sequence with nothing in flight (the host's)."""
+    if not _LIVE:
+        return
+    mine = [s for s in seqs if s.grammar is not None]
+    if any(s.num_pending_tokens for s in mine):
+        toks, accepted, drafts = (np.asarray(a) for a in to_host((prev.sampled[0], prev.accepted, prev.drafts)))
+        R = drafts.shape[-1] + 1  # rows a sequence: t_P and the k drafts
+    for s in mine:
+        if s.num_pending_tokens:
+            q, i = prev.index[s.seq_id]
+            n = int(accepted[q, i])
+            s.grammar.pending = (s.num_output_tokens, toks[q, i * R:i * R + n + 1].astype(int).tolist())
+            s.grammar.drafts = drafts[q, i].astype(int).tolist()
+        else:
+            s.grammar.drafts = [int(t) for t in host_drafts(s)]

@@ -82,8 +82,6 @@ def test_bad_constraints_name_the_problem(tok):
     for field, kw in (("ignore_eos", dict(ignore_eos=True)), ("min_tokens", dict(min_tokens=2))):
         with pytest.raises(ValueError, match=field):
             sequence_grammar(SamplingParams(structured_outputs=Constraint("regex", "a"), **kw), tok, VOCAB, (EOS,))
-    with pytest.raises(ValueError, match="speculative"):
-        sequence_grammar(SamplingParams(structured_outputs=Constraint("regex", "a")), tok, VOCAB, (EOS,), True)
     assert sequence_grammar(SamplingParams(), tok, VOCAB, (EOS,)) is None
 
 
@@ -108,12 +106,46 @@ def test_mask_rows_follow_the_choices(tok):
             assert _allowed(g.mask_row(prefix)) == want, (prefix, want)  # catches up and rolls back as needed
     g.mask_row([])
     assert g.accepted == []
-    g.pending = (1, options[0][1])  # a token still in flight, taken before the host has appended it
+    g.pending = (1, [options[0][1]])  # a token still in flight, taken before the host has appended it
     assert _allowed(g.mask_row(options[0][:1])) == {options[0][2]} and g.accepted == options[0][:2]
     with pytest.raises(RuntimeError, match="against the grammar"):
         g.mask_row(_byte_ids(tok, "x"))
     g = SequenceGrammar(grammars_for(tok, VOCAB), Constraint.choice(["ab"]), (EOS,))
     assert _allowed(g.mask_row(_byte_ids(tok, "ab") + [EOS])) == {EOS}  # ended: only EOS, never an empty row
+
+
+def test_mask_rows_follow_the_drafts(tok):
+    """A speculative verify's rows (speculative decoding): row j after the output, the pending tokens and the first
+    j drafts; a draft the grammar rejects leaves the rows from it allowing every token (their samples are
+    dropped); after a draft EOS the row allows only the stop tokens; the matcher is back where the real tokens
+    left it, so the next step's rows follow the tokens actually accepted."""
+    g = SequenceGrammar(grammars_for(tok, VOCAB), Constraint.choice(["red", "green", "grey"]), (EOS,))
+    b = {c: _byte_ids(tok, c)[0] for c in "rgedny"}
+    every = set(range(VOCAB))
+    g.drafts = [b["g"], b["r"], b["e"], b["e"]]
+    rows = g.mask_rows([], 5)
+    assert [_allowed(r) for r in rows] == [{b["r"], b["g"]}, {b["r"]}, {b["e"]}, {b["e"], b["y"]}, {b["n"]}]
+    assert g.accepted == [] and g.drafts is None
+    g.drafts = [b["e"], b["y"], b["d"]]  # "gree" taken, then "y" rejected ("greey" begins no choice)
+    g.pending = (2, [b["e"]])  # "gre" with its last token in flight
+    rows = g.mask_rows([b["g"], b["r"]], 4)
+    assert [_allowed(r) for r in rows] == [{b["e"], b["y"]}, {b["n"]}, every, every]
+    assert g.accepted == [b["g"], b["r"], b["e"]]
+    g.drafts = [b["y"], EOS, b["r"]]  # "grey", EOS, then a token past the stop token
+    rows = g.mask_rows([b["g"], b["r"], b["e"]], 4)
+    assert [_allowed(r) for r in rows] == [{b["e"], b["y"]}, {EOS}, {EOS}, every]
+    assert g.accepted == [b["g"], b["r"], b["e"]]
+    # the verify accepted "y" and EOS, then sampled a bonus token: the run past EOS is not the grammar's
+    g.pending = (3, [b["y"], EOS, b["r"]])
+    assert _allowed(g.mask_rows([b["g"], b["r"], b["e"]], 2)[0]) == {EOS} and g.accepted[-1] == EOS
+    c = Constraint.choice(["red"])  # the thinking's end in the drafts: the grammar from the draft after it
+    g = SequenceGrammar(grammars_for(tok, VOCAB), Constraint(c.kind, c.spec, after="</think>"), (EOS,), tok)
+    think = _byte_ids(tok, "ok </think")
+    g.drafts = _byte_ids(tok, ">r")
+    rows = g.mask_rows(think, 3)
+    assert [_allowed(r) for r in rows] == [every, {b["r"]}, {b["e"]}]
+    assert g.start is None and g.accepted == []
+    assert len(_allowed(g.mask_row(think + _byte_ids(tok, "!")))) == VOCAB  # not the marker: still thinking
 
 
 def test_grammar_starts_after_the_thinking(tok):

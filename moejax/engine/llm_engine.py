@@ -133,8 +133,7 @@ class LLMEngine:
         seq = Sequence(prompt_ids, params, seed, request_id)
         seq.controls = sample_controls.prepare(params, self.tokenizer, vocab, self.eos_token_ids,
                                                speculative=not self.proposer.own_decode)
-        seq.grammar = sequence_grammar(params, self.tokenizer, vocab, self.eos_token_ids,
-                                       speculative=not self.proposer.own_decode)
+        seq.grammar = sequence_grammar(params, self.tokenizer, vocab, self.eos_token_ids)
         if after is not None and self.blocks.enable_prefix_caching and not self._prompt_cached(after):
             self._held.append((after, seq))
         else:

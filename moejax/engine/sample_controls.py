@@ -180,8 +180,8 @@ def step_arrays(ranks, B: int, vocab_size: int, rows: HistoryRows, real, rows_pe
     """The batch's SampleControls as host arrays [N, B x rows_per_seq, ...] and the history rows to rebuild
     [(rank, row, seq)]. ``real(seq)``: whether its sample is kept (a prefill chunk that does not end its
     prompt samples nothing); only those rows read and count history. With rows_per_seq R > 1 (a
-    speculative verify) row j of a sequence is its output's (n + j)-th token (min_tokens); none reads
-    history (``prepare`` refuses what would)."""
+    speculative verify) row j of a sequence is its output's (n + j)-th token (min_tokens), after its first j
+    drafts (a grammar's row: SequenceGrammar.mask_rows); none reads history (``prepare`` refuses what would)."""
     N, R = len(ranks), rows_per_seq
     BR = B * R
     # The wide arrays start as shared read-only neutral ones (a 4 MB mask a step at 256 rows of DeepSeek's
@@ -218,7 +218,7 @@ def step_arrays(ranks, B: int, vocab_size: int, rows: HistoryRows, real, rows_pe
             if c.mask is not None:
                 writable("mask")[q, rs] = c.mask
             if s.grammar is not None:  # structured outputs: what the grammar allows next (moejax/structured_output.py)
-                writable("mask")[q, rs] &= s.grammar.mask_row(s.output_ids)
+                writable("mask")[q, rs] &= s.grammar.mask_rows(s.output_ids, R)
             if c.min_tokens:
                 n = s.num_output_tokens + s.num_pending_tokens + np.arange(R)
                 for j in np.nonzero(n < c.min_tokens)[0]:

@@ -18,7 +18,9 @@ Each decode step of a sequence whose last token t_P sits at position P, with dra
    accepted iff x_j == d_j, and the first x_j that differs is the correction (after k accepted, x_{k+1}
    is the bonus token). P(accept) = p(d), and given a rejection x_j is distributed as p without d: the
    rejection-sampling rule, with output identical to the non-speculative engine's for the same seed
-   (greedy: argmax == draft). A sequence gains n + 1 tokens, n the accepted drafts.
+   (greedy: argmax == draft). A sequence gains n + 1 tokens, n the accepted drafts. A structured output's
+   row j samples under its grammar's mask after d_1..d_j (the host advances the matcher over the drafts:
+   moejax/structured_output.py), so a draft the grammar rejects is never accepted.
 3. draft (one program: the MTP layer): rows P..P+n of the MTP layer's own cache layer (index
    num_hidden_layers) get (target hidden h_{P+j}, token x_{j+1}) as their input (mtp_hidden's pairing),
    and row n's output gives the next step's first draft (argmax of its shared head); drafts 2..k reuse
@@ -56,6 +58,7 @@ from moejax.engine.proposer import Proposer
 from moejax.engine.sequence import Sequence
 from moejax.layers.forward_batch import ForwardBatch
 from moejax.parallel.processes import to_host
+from moejax.structured_output import peek_drafts
 
 
 @dataclasses.dataclass
@@ -322,6 +325,8 @@ class SpecDecoder(Proposer):
         logits, counts, dispatched, h, sample_pos, vtokens, positions, valid = r.run_step(
             self._verify, *feed, rows, host_tokens, base, nd, tables, cap)
         r.record_stats(counts, dispatched)
+        # Constrained rows' masks follow their drafts: those read to the host first (structured_output.py)
+        peek_drafts(seqs, prev, lambda s: self._drafts_of(s)[:k])
         sampled = r.sample_logits(logits, ranks, B, sample_pos, rows_per_seq=R)
         drafts, accepted, *nxt = r.run_step(self._draft, h, sampled[0], vtokens, valid, positions, tables, cap)
         for s in seqs:
