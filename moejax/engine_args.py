@@ -44,6 +44,9 @@ WEIGHT_DTYPES = ("auto", "fp8", "bf16")
 # auto: the checkpoint's weights; dummy: random weights of its shapes, made on the device (vLLM's --load-format dummy).
 LOAD_FORMATS = ("auto", "dummy")
 LAYERS = ("model", "cache", "scheduler", "kernels", "load")
+# The disaggregated handoff an engine takes part in (vLLM's kv_transfer_config kv_role: kv_producer = prefill,
+# kv_consumer = decode, kv_both = both): which cache-row programs it builds (engine/kv_handoff.py).
+KV_ROLES = ("none", "prefill", "decode", "both")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -246,6 +249,12 @@ class EngineArgs:
         "(moejax/executable_cache.py): a folder; 'env' (the default): $MOEJAX_EXECUTABLE_CACHE_DIR, else off; "
         "'auto' (moejax serve's default): $MOEJAX_EXECUTABLE_CACHE_DIR, else $XDG_CACHE_HOME/moejax/executables "
         "(~/.cache/moejax/executables); 'off' disables it", layer="load", check=path_or_none, metavar="DIR")
+    kv_role: str = setting(
+        "none", "the prefill/decode disaggregation handoff this engine takes part in, as vLLM's kv_transfer_config "
+        "kv_role (kv_producer, kv_consumer, kv_both): none (a plain server: no cache-row export/import programs "
+        "built), prefill (exports a prefilled sequence's cache rows), decode (imports them), both; a handoff "
+        "the role lacks is refused, never compiled (engine/kv_handoff.py). moejax serve --role sets it",
+        layer="load", choices=KV_ROLES)
     print_programs: bool = setting(
         False, "print every precompiled program at start-up: its bucket and why it exists "
         "(moejax/engine/precompile.py)", layer="load", check=boolean)

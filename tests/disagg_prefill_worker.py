@@ -47,7 +47,7 @@ def main():
             if engine is None:
                 engine = moejax.load(sys.argv[1], dtype="float32", max_model_len=256, max_num_seqs=8,
                                      block_size=16, kv_cache_dtype=kv, enable_prefix_caching=False,
-                                     progress=False).engine
+                                     kv_role="prefill", progress=False).engine
             seq = engine.add_request(cmd["prompt"], SamplingParams(**cmd["params"]))
             while seq.num_output_tokens == 0:
                 engine.step()

@@ -39,9 +39,10 @@ def engines(tiny_path):
     so its second run of a prompt is computed as its first); B decodes (block 4 with async scheduling,
     or 8; prefix cache on)."""
     def pair(kv, b_block, b_async):
-        a = moejax.load(tiny_path, block_size=16, kv_cache_dtype=kv, enable_prefix_caching=False, **KW).engine
+        a = moejax.load(tiny_path, block_size=16, kv_cache_dtype=kv, enable_prefix_caching=False, kv_role="prefill",
+                        **KW).engine
         return a, moejax.load(tiny_path, block_size=b_block, kv_cache_dtype=kv, async_scheduling=b_async,
-                              **KW).engine
+                              kv_role="decode", **KW).engine
     return {"auto": pair("auto", 4, True), "fp8": pair("fp8", 8, False)}
 
 
@@ -250,9 +251,9 @@ def mtp_engines(tmp_path_factory):
     block 16); B, a speculative decode side (k 2, block 8, prefix cache on)."""
     path = make_random_checkpoint(str(tmp_path_factory.mktemp("mtp")), preset("v3-tiny", num_nextn_predict_layers=1),
                                   seed=13, std=0.1)
-    r = moejax.load(path, block_size=16, enable_prefix_caching=False, **SPEC_KW).engine
-    a = moejax.load(path, block_size=16, speculative_config=MTP, **SPEC_KW).engine
-    b = moejax.load(path, block_size=8, speculative_config=MTP, **SPEC_KW).engine
+    r = moejax.load(path, block_size=16, enable_prefix_caching=False, kv_role="both", **SPEC_KW).engine
+    a = moejax.load(path, block_size=16, speculative_config=MTP, kv_role="prefill", **SPEC_KW).engine
+    b = moejax.load(path, block_size=8, speculative_config=MTP, kv_role="decode", **SPEC_KW).engine
     return r, a, b
 
 

@@ -24,8 +24,9 @@ def engines(tmp_path_factory):
     """(mesh, plain): a dp2-ep2 engine (block 16) and a one-device one (block 8); no prefix cache, so a
     prompt run twice is computed twice alike."""
     path = make_random_checkpoint(str(tmp_path_factory.mktemp("tiny")), preset("v3-tiny"), seed=11, std=0.1)
-    mesh = moejax.load(path, block_size=16, parallel="dp2-ep2", enable_prefix_caching=False, **KW).engine
-    return mesh, moejax.load(path, block_size=8, enable_prefix_caching=False, **KW).engine
+    mesh = moejax.load(path, block_size=16, parallel="dp2-ep2", enable_prefix_caching=False, kv_role="both",
+                       **KW).engine  # both ways: each engine exports and imports
+    return mesh, moejax.load(path, block_size=8, enable_prefix_caching=False, kv_role="both", **KW).engine
 
 
 def _run(engine, prompts, params):

@@ -134,15 +134,24 @@ def test_round_trip_through_argv(parser, args):
 
 def test_disaggregated_workers_get_every_setting():
     """worker_argv (what the router starts each worker with) carries every engine setting, the role's own
-    layout and block size in place of the router's."""
+    layout, block size and kv_role (its side of the handoff: only those programs built) in place of the
+    router's; a worker started by hand with --role gets its kv_role from it, and one that contradicts it
+    is refused."""
     ap = serve_cli.build_parser()
     x = all_changed()
     a = ap.parse_args(["--disaggregated", "--prefill-block-size", "32", "--decode-parallel", "dp4-ep4",
                        *x.to_argv()])
-    for role, want in (("prefill", x.replace(block_size=32)), ("decode", x.replace(parallel="dp4-ep4"))):
+    for role, want in (("prefill", x.replace(block_size=32, kv_role="prefill")),
+                       ("decode", x.replace(parallel="dp4-ep4", kv_role="decode"))):
         w = ap.parse_args(serve_cli.worker_argv(a, role, 1234))
         assert EngineArgs.from_cli_args(w) == want, role
         assert (w.role, w.port) == (role, 1234)
+        assert serve_cli.worker_kwargs(w, {"kv_role": role}) == {"kv_role": role}  # kept: it is the role's
+    both = ap.parse_args(["--disaggregated", "--kv-role", "both"])
+    assert ap.parse_args(serve_cli.worker_argv(both, "decode", 1)).kv_role == "both"
+    assert serve_cli.worker_kwargs(ap.parse_args(["--role", "decode"]), {}) == {"kv_role": "decode"}
+    with pytest.raises(SystemExit, match="--kv-role prefill"):
+        serve_cli.worker_kwargs(ap.parse_args(["--role", "decode", "--kv-role", "prefill"]), {})
     # MODEL given as the positional argument: the workers get it as --model
     a = serve_cli.parse_args(["deepseek-v3", "--load-format", "dummy", "--disaggregated"])
     assert ap.parse_args(serve_cli.worker_argv(a, "decode", 1)).model == "deepseek-v3"

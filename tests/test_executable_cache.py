@@ -101,6 +101,18 @@ def test_a_changed_key_rebuilds_what_depends_on_it(ckpt, cold, cache_dir, caplog
     assert summary and f"{len(kept)} loaded, {builds} built" in summary[-1] and "with a changed key: " in summary[-1]
 
 
+def test_a_changed_kv_role_builds_only_its_handoff_programs(ckpt, cold, cache_dir):
+    """kv_role changes the set (its export/import programs: model_runner._row_programs), not any program in
+    it: a prefill side started on a plain server's cache loads every program but its one export (one rows
+    bucket at max_model_len 16), then restarts on its own manifest."""
+    out = cold[1]
+    model, out2, _, builds = start(ckpt, kv_role="prefill")
+    assert "loaded" not in out2 and out2["programs"] == out["programs"] + 1 and builds == 1
+    assert model.engine.runner.trace_counts["export_rows"] == 1
+    _, out3, traces3, builds3 = start(ckpt, kv_role="prefill")
+    assert out3["loaded"] == out2["programs"] and traces3 == builds3 == 0
+
+
 def test_a_truncated_or_foreign_entry_is_rebuilt_with_a_warning(ckpt, cold, cache_dir, caplog):
     out = cold[1]
     files = sorted(glob.glob(os.path.join(cache_dir, "*.exe")), key=os.path.getsize)
@@ -138,7 +150,7 @@ def test_mixed_workload_after_a_cached_restart_compiles_nothing(tiny_path, monke
     """test_precompile's mixed workload (streams, sampling modes, chunked prefills, prefix hits, the
     cache-row handoff), served by a server whose whole set came from the executable cache."""
     monkeypatch.setenv(executable_cache.ENV_VAR, str(tmp_path / "executables"))
-    moejax.load(tiny_path, **{**test_precompile.LOAD, "precompile": True})  # the cold start fills the cache
+    moejax.load(tiny_path, **{**test_precompile.HANDOFF, "precompile": True})  # the cold start fills the cache
     loaded = []
     real = executable_set.load_set
     monkeypatch.setattr(executable_set, "load_set", lambda *a: loaded.append(real(*a)) or loaded[-1])

@@ -28,6 +28,8 @@ from moejax.tiny.presets import preset
 # Small limits keep the program set small (~45 programs) and the test quick on CPU.
 LOAD = dict(dtype="float32", max_model_len=96, max_num_seqs=4, max_prefill_tokens=32, progress=False,
             async_scheduling=True)
+# The server of the handoff test below: one engine that exports and re-imports its own rows.
+HANDOFF = dict(LOAD, kv_role="both")
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +102,10 @@ def test_precompiled_server_and_handoff_never_compile(tiny_path):
     concurrency changes, sampling, logprob and penalty variants) with zero compiles. Then, on the same precompiled
     engine once the server has stopped (one start-up compilation for both checks): the disaggregated
     handoff (a prefilled sequence's rows exported, then imported into an engine; here the same engine
-    exports and re-imports them) runs precompiled programs only."""
+    exports and re-imports them: kv_role both) runs precompiled programs only."""
     from moejax.engine.kv_handoff import add_prefilled, take_prefilled
     from moejax.engine.sampling_params import SamplingParams
-    model = moejax.load(tiny_path, **LOAD)
+    model = moejax.load(tiny_path, **HANDOFF)
     app, aengine = make_app(model, "tiny", precompile=True)
     srv = ServerThread(app=app).start()
     try:

@@ -226,7 +226,8 @@ def tiny_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(tiny_path):
-    return moejax.load(tiny_path, dtype="float32", max_model_len=64, max_num_seqs=4, progress=False)
+    return moejax.load(tiny_path, dtype="float32", max_model_len=64, max_num_seqs=4, progress=False,
+                       kv_role="prefill")  # also the prefill side of the handoff test
 
 
 def _run(model, prompts, params):
@@ -363,7 +364,7 @@ def test_handed_off_sequence_keeps_its_controls(model, tiny_path):
     prompts = [[7, 8, 9, 10, 7, 8], [30, 31, 32]]
     want = _run(model, prompts, params)
     decode = moejax.load(tiny_path, dtype="float32", max_model_len=64, max_num_seqs=4, progress=False,
-                         block_size=8).engine
+                         block_size=8, kv_role="decode").engine
     a = model.engine
     seqs = [a.add_request(p, sp) for p, sp in zip(prompts, params)]
     moved = []

@@ -28,9 +28,10 @@ def _family(label: str) -> str | None:
 
 
 # Settings read by the host only (when to compile, where the weights come from, the scheduler's policies):
-# no program changes with them, so they are not in any key.
+# no program changes with them, so they are not in any key. kv_role picks which export/import programs
+# the set has, never what one computes: it is in the set's key (set_depends) only.
 HOST_ONLY_SETTINGS = frozenset({"precompile", "print_programs", "executable_cache_dir", "compilation_cache_dir",
-                                "load_format", "max_preemptions",
+                                "load_format", "max_preemptions", "kv_role",
                                 "scheduling_policy", "enable_prefix_caching", "async_scheduling"})
 
 
@@ -72,7 +73,7 @@ def program_depends(runner, label: str) -> dict:
 
 def set_depends(runner) -> dict:
     """The manifest's key: the whole configuration (any change may change the set itself)."""
-    return {"ranks": runner.num_ranks, "config": config_key(runner.config)}
+    return {"ranks": runner.num_ranks, "config": config_key(runner.config), "kv_role": runner.config.args.kv_role}
 
 
 def functions(runner) -> dict[str, PrecompiledFunction]:

@@ -31,6 +31,11 @@ first drafts it made after the prefill (host ints) travel as ``PrefilledRequest.
 
 Outputs are the non-speculative engine's in every allowed case (speculation changes the steps, never
 the tokens: engine/speculative.py).
+
+The engine setting ``kv_role`` (moejax/engine_args.py) says which side an engine is: prefill exports,
+decode imports, both does both, none (a plain server) neither. Only its side's programs are precompiled
+(ModelRunner.precompile_programs), so a handoff the role lacks is refused (``check_role``: ValueError
+naming kv_role) instead of compiling inside a request.
 """
 
 from __future__ import annotations
@@ -44,6 +49,25 @@ from moejax.engine import sample_controls
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.sequence import Sequence, Status
 from moejax.structured_output import sequence_grammar
+
+
+EXPORTING, IMPORTING = ("prefill", "both"), ("decode", "both")  # kv_role values of each side
+
+
+def role_does(role: str, direction: str) -> bool:
+    """Whether kv_role ``role`` "export"s (a prefill side) or "import"s (a decode side) cache rows."""
+    return role in (EXPORTING if direction == "export" else IMPORTING)
+
+
+def check_role(config, direction: str) -> None:
+    """ValueError naming kv_role unless the engine of ``config`` does ``direction`` ("export" / "import"):
+    its programs were not built for this role, and a request compiles nothing."""
+    role = config.args.kv_role
+    if not role_does(role, direction):
+        side = "prefill" if direction == "export" else "decode"
+        raise ValueError(f"this engine's kv_role is {role!r}: it does not {direction} KV cache rows (no {direction} "
+                         f"program was built); start it with kv_role {side!r} or 'both' (moejax serve --role {side} "
+                         f"or --kv-role)")
 
 
 @dataclasses.dataclass
@@ -102,6 +126,7 @@ def take_prefilled(engine, seq: Sequence) -> PrefilledRequest:
                          f"{seq.num_output_tokens} output tokens)")
     if seq.num_pending_tokens:
         raise ValueError(f"sequence {seq.seq_id} has a decode step in flight")
+    check_role(engine.config, "export")
     n = len(seq) - 1
     runner = engine.runner
     rows = runner.export_rows(runner.slots(seq.block_table, np.arange(n)), seq.dp_rank)
@@ -122,6 +147,7 @@ def check_fits(engine, req: PrefilledRequest) -> None:
     """ValueError unless ``req`` can ever be added to ``engine``: rows of its cache's kind and width, a length
     within max_model_len and the cache."""
     runner = engine.runner
+    check_role(engine.config, "import")
     if req.rows is None:
         raise ValueError("the prefilled request has no rows")
     if len(req.token_ids) >= engine.max_model_len:

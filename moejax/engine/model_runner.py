@@ -35,6 +35,7 @@ from moejax.config import EngineConfig
 from moejax.executable_cache import PrecompiledFunction
 from moejax.engine.precompile import build as build_precompiled
 from moejax.engine import prompt_logprobs
+from moejax.engine.kv_handoff import check_role, role_does
 from moejax.engine.buckets import Buckets, next_pow2, powers_of_two, token_bucket
 from moejax.engine.sequence import Sequence
 from moejax.engine.proposer import Proposer
@@ -341,7 +342,7 @@ class ModelRunner:
         """Every program this configuration can run, each with the (abstract) arguments it is called with,
         in compile order: the model steps (buckets.py: the decode, packed-prefill and paged-prefill shapes;
         a proposer's in place of the decode), the sampler per (rows, SampleMode), the decode input gather,
-        the proposer's own programs, the cache-row export/import of disaggregation per rows bucket. Only
+        the proposer's own programs, the cache-row export/import of disaggregation's kv_role per rows bucket. Only
         traced (the outputs' shapes), nothing compiled: ``precompile`` compiles them, and its total is this
         list's length."""
         N, i32 = self.num_ranks, self.rank_arrays
@@ -371,14 +372,21 @@ class ModelRunner:
         feed = [Program(f"feed B={B}", self._feed, (prev, i32(B), i32(B)))
                 for B in sorted({b for b, _ in self.buckets.decode_shapes()})] if own_decode else []
         own = self.proposer.programs_after(decode, prefill)
-        rows = []
+        return steps + sample + [Program(*p) for p in self.controls.programs()] + feed + own + self._row_programs()
+
+    def _row_programs(self) -> list[Program]:
+        """The cache-row export (a prefill side) and import (a decode side) of each rows bucket, as the
+        engine's kv_role has them (kv_handoff.check_role refuses the others): none without disaggregation."""
+        role, rows = self.config.args.kv_role, []
         for P in powers_of_two(next_pow2(self.max_model_len, 16), 16):
             slots = np.zeros(P, np.int32)
-            rows.append(Program(f"export_rows P={P}", self._export, (self.cache, np.int32(0), slots)))
-            sds = self.abstract((self.cache.shape[1], P, self.row_dim), self.cache.dtype,
-                                NamedSharding(self.mesh, REPLICATED) if self.mesh is not None else None)
-            rows.append(Program(f"import_rows P={P}", self._import, (self.cache, np.int32(0), slots, sds)))
-        return steps + sample + [Program(*p) for p in self.controls.programs()] + feed + own + rows
+            if role_does(role, "export"):
+                rows.append(Program(f"export_rows P={P}", self._export, (self.cache, np.int32(0), slots)))
+            if role_does(role, "import"):
+                sds = self.abstract((self.cache.shape[1], P, self.row_dim), self.cache.dtype,
+                                    NamedSharding(self.mesh, REPLICATED) if self.mesh is not None else None)
+                rows.append(Program(f"import_rows P={P}", self._import, (self.cache, np.int32(0), slots, sds)))
+        return rows
 
     def precompile(self, progress: bool = True, threads: int | None = None) -> dict:
         """Loads or compiles every program of ``precompile_programs``, so no request compiles anything
@@ -517,14 +525,18 @@ class ModelRunner:
 
     def export_rows(self, slots, rank: int = 0) -> jax.Array:
         """The cache rows of ``slots`` on ``rank``, every layer: [layers, rows_bucket(len(slots)), row_dim]
-        in the cache's dtype (FP8 rows with their scale byte); rows past len(slots) are padding."""
+        in the cache's dtype (FP8 rows with their scale byte); rows past len(slots) are padding. ValueError
+        naming kv_role on an engine that does not export (nothing compiled)."""
+        check_role(self.config, "export")
         n = len(slots)
         padded = np.zeros(self.rows_bucket(n), np.int32)
         padded[:n] = slots
         return self._export(self.cache, np.int32(rank), padded)
 
     def import_rows(self, slots, rows: jax.Array, rank: int = 0) -> None:
-        """Writes ``rows`` [layers, P >= len(slots), row_dim] (export_rows' layout) into ``slots`` on ``rank``."""
+        """Writes ``rows`` [layers, P >= len(slots), row_dim] (export_rows' layout) into ``slots`` on ``rank``;
+        ValueError naming kv_role on an engine that does not import (nothing compiled)."""
+        check_role(self.config, "import")
         n = len(slots)
         L, P, D = rows.shape
         if L != self.cache.shape[1] or D != self.row_dim or P < n:

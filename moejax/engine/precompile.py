@@ -30,8 +30,10 @@ WHY = {
     "prefill_paged": "a chunked or prefix-cached prefill: up to B chunks of up to S tokens after a cached context",
     "sample": "the sampler of the steps whose logits have this many rows, in this sampling mode (layers/sampler.py)",
     "feed": "the decode input gather of a B-sequence step fed by the step in flight (async scheduling)",
-    "export_rows": "a disaggregated handoff's export of up to P cache rows (engine/kv_handoff.py)",
-    "import_rows": "a disaggregated handoff's import of up to P cache rows (engine/kv_handoff.py)",
+    "export_rows": "a disaggregated handoff's export of up to P cache rows (kv_role prefill or both: "
+                   "engine/kv_handoff.py)",
+    "import_rows": "a disaggregated handoff's import of up to P cache rows (kv_role decode or both: "
+                   "engine/kv_handoff.py)",
     "sample history-load": "the sampling controls' history rows rebuilt for sequences that start using "
                            "penalties (engine/sample_controls.py)",
 }

@@ -34,7 +34,8 @@ import threading
 import time
 import traceback
 
-from moejax.engine.kv_handoff import PrefilledRequest, add_prefilled, can_add, check_fits, take_prefilled
+from moejax.engine.kv_handoff import (PrefilledRequest, add_prefilled, can_add, check_fits, check_role,
+                                      take_prefilled)
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.sequence import Status
 from moejax.engine.step_log import StepLog
@@ -214,6 +215,8 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(_resolve, stream.accepted, None)
         elif op == "add":
             try:
+                if stream.handoff:  # refused before its prefill runs: its rows could not be exported
+                    check_role(self.engine.config, "export")
                 kw = {"after": stream.after.seq} if stream.after is not None and self._shares_prompts else {}
                 stream.seq = self.engine.add_request(stream.prompt_ids, stream.params, **kw)
             except ValueError as e:

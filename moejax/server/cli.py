@@ -191,7 +191,7 @@ def main(argv=None, prog: str | None = None) -> int:
     if a.disaggregated:
         return serve_disaggregated(a, path, name or a.model or path)
     if a.role is not None:
-        return serve_worker(a, path, name or a.model or path, kw)
+        return serve_worker(a, path, name or a.model or path, worker_kwargs(a, kw))
     multi = processes.initialize_from_env()
     if multi and not processes.is_leader():
         return follow_leader(path, kw, a.precompile)
@@ -220,6 +220,17 @@ def main(argv=None, prog: str | None = None) -> int:
     return code
 
 
+def worker_kwargs(a: argparse.Namespace, kw: dict) -> dict:
+    """A --role worker's load keywords: kv_role its role's handoff side (the export programs of a prefill
+    worker, the import ones of a decode worker) unless --kv-role gives one that covers it."""
+    if a.kv_role == "none":
+        return {**kw, "kv_role": a.role}
+    if a.kv_role not in (a.role, "both"):
+        raise SystemExit(f"--kv-role {a.kv_role} does not do a {a.role} worker's handoff: give --kv-role {a.role} "
+                         "or both, or leave it out")
+    return kw
+
+
 def serve_worker(a: argparse.Namespace, path: str, name: str, kw: dict) -> int:
     """A disaggregated worker (started by the router): its own engine, the colocated app plus the internal
     routes (moejax/server/worker.py)."""
@@ -237,10 +248,11 @@ def serve_worker(a: argparse.Namespace, path: str, name: str, kw: dict) -> int:
 
 def worker_argv(a: argparse.Namespace, role: str, port: int) -> list[str]:
     """A worker's command line: the router's model and every engine setting (EngineArgs.to_argv), its role's
-    layout and block size in place of the router's."""
+    layout, block size and kv_role in place of the router's."""
     parallel = (a.prefill_parallel if role == "prefill" else a.decode_parallel) or a.parallel
     block = (a.prefill_block_size if role == "prefill" else a.decode_block_size) or a.block_size
-    settings = EngineArgs.from_cli_args(a, parallel=parallel, block_size=block)
+    kv_role = "both" if a.kv_role == "both" else role  # the router's own --kv-role is no worker's side
+    settings = EngineArgs.from_cli_args(a, parallel=parallel, block_size=block, kv_role=kv_role)
     argv = ["--role", role, "--host", "127.0.0.1", "--port", str(port),
             "--kv-pull-timeout", str(a.kv_pull_timeout), "--shutdown-timeout", str(a.shutdown_timeout),
             *settings.to_argv()]
