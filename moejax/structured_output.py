@@ -249,10 +249,9 @@ class SequenceGrammar:
         return None if self.start is None else tokens[self.start:]
 
 
-def sequence_grammar(params, tokenizer, vocab_size: int, eos_token_ids, speculative: bool = False):
+def sequence_grammar(params, tokenizer, vocab_size: int, eos_token_ids):
     """The SequenceGrammar of a new sequence with these SamplingParams (None without a constraint); a
-    ValueError naming the field for what cannot be served. ``speculative``: the engine's, served alike
-    (``mask_rows``; engine/kv_handoff.py still passes it)."""
+    ValueError naming the field for what cannot be served."""
     c = params.structured_outputs
     if c is None:
         return None

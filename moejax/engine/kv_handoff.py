@@ -192,8 +192,8 @@ def add_prefilled(engine, req: PrefilledRequest) -> Sequence:
     seq.num_prompt_tokens = req.num_prompt_tokens
     seq.controls = sample_controls.prepare(req.params, engine.tokenizer, runner.cfg.vocab_size, engine.eos_token_ids,
                                            speculative=not engine.proposer.own_decode)  # as add_request's
-    seq.grammar = sequence_grammar(req.params, engine.tokenizer, runner.cfg.vocab_size, engine.eos_token_ids,
-                                   speculative=not engine.proposer.own_decode)  # it catches up on the first token
+    seq.grammar = sequence_grammar(req.params, engine.tokenizer, runner.cfg.vocab_size,
+                                   engine.eos_token_ids)  # it catches up on the first token
     seq.logprobs, seq.top_logprobs = list(req.logprobs), list(req.top_logprobs)
 
     def fill(hit: int) -> None:  # blocks for every token (the last one's row comes with its decode step)
