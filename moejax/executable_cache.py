@@ -36,6 +36,7 @@ import os
 import pickle
 import struct
 import tempfile
+import threading
 
 import jax
 import jaxlib
@@ -147,6 +148,7 @@ class ExecutableCache:
         # Why entries were rebuilt (the start-up line): none on disk, a key changed (its fields), unusable.
         self.missing, self.stale, self.unusable = 0, 0, 0
         self.changed: collections.Counter[str] = collections.Counter()  # the fields that made entries stale
+        self._lock = threading.Lock()  # the counters: entries load in a thread pool (engine/executable_set.py)
 
     @classmethod
     def open(cls, path: str | None = None) -> "ExecutableCache | None":
@@ -157,6 +159,10 @@ class ExecutableCache:
             return cls(d)
         except OSError as e:
             raise ValueError(f"executable_cache_dir {d!r} cannot be created: {e}") from None
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
 
     def _path(self, label: str) -> str:
         return os.path.join(self.dir, hashlib.sha256(label.encode()).hexdigest()[:32] + ".exe")
@@ -173,24 +179,25 @@ class ExecutableCache:
             with open(path, "rb") as f:
                 blob = f.read()
         except FileNotFoundError:
-            self.missing += 1
+            self._count("missing")
             return None
         try:
             header, payload = _decode(blob)
         except CorruptEntry as e:
-            self.unusable += 1
+            self._count("unusable")
             log.warning("executable cache: the entry for %s (%s) is unusable: %s; rebuilding it", label, path, e)
             return None
         if header.get("label") != label:
-            self.unusable += 1
+            self._count("unusable")
             log.warning("executable cache: %s holds a foreign entry (%r, not %r); rebuilding it",
                         path, header.get("label"), label)
             return None
         key, old = _flat(self._key(depends)), _flat(header.get("key", {}))
         if old != key:
             changed = sorted(k for k in set(key) | set(old) if key.get(k) != old.get(k))
-            self.stale += 1
-            self.changed.update(changed)
+            with self._lock:
+                self.stale += 1
+                self.changed.update(changed)
             log.info("executable cache: rebuilding %s: %s changed", label,
                      ", ".join(f"{k} ({_short(old.get(k))} -> {_short(key.get(k))})" for k in changed))
             return None
@@ -218,7 +225,7 @@ class ExecutableCache:
         try:
             serialized, in_tree, out_tree = pickle.loads(payload)
             if (problem := self._unsafe(serialized)) is not None:
-                self.unusable += 1
+                self._count("unusable")
                 log.warning("executable cache: the entry for %s is unsafe to run: %s; rebuilding it", label, problem)
                 return None
             by_id = {d.id: d for d in jax.devices()}
@@ -227,11 +234,11 @@ class ExecutableCache:
             compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
                                                                  execution_devices=devices)
         except Exception as e:  # noqa: BLE001 - any failure to load is a rebuild, never a crash
-            self.unusable += 1
+            self._count("unusable")
             log.warning("executable cache: the entry for %s failed to load (%s: %s); rebuilding it",
                         label, type(e).__name__, e)
             return None
-        self.loaded += 1
+        self._count("loaded")
         return compiled, signature_from_json(header["signature"])
 
     def summary(self) -> str:
@@ -256,11 +263,11 @@ class ExecutableCache:
         if (problem := self._unsafe(serialized[0])) is not None:
             log.warning("executable cache: not keeping %s: %s; it runs in this process and is built again at the "
                         "next start", label, problem)
-            self.refused += 1
+            self._count("refused")
             return False
         devices = [d.id for d in compiled.runtime_executable().local_devices()]
         self._write(label, depends, pickle.dumps(serialized), signature=_jsonable(sig), devices=devices)
-        self.stored += 1
+        self._count("stored")
         return True
 
     # ----- the set's manifest: its labels, so a restart knows the set without tracing it

@@ -73,7 +73,9 @@ def serve(model, prompts):
     return [(list(s.output_ids), [round(float(x), 6) for x in s.logprobs]) for s in seqs]
 
 
-def test_restart_traces_and_compiles_nothing_and_serves_the_same_tokens(ckpt, cold, cache_dir):
+@pytest.mark.parametrize("threads", ["1", "3"])  # entries loaded one by one, and in a pool of three
+def test_restart_traces_and_compiles_nothing_and_serves_the_same_tokens(ckpt, cold, cache_dir, threads, monkeypatch):
+    monkeypatch.setenv("MOEJAX_COMPILE_THREADS", threads)
     _, out, traces, builds, want = cold
     assert "loaded" not in out and traces > 0 and builds == out["programs"]
     warm, out2, traces2, builds2 = start(ckpt)

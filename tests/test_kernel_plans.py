@@ -8,6 +8,8 @@ Rule changes since, re-recorded (only the cases named changed): 2026-12-07, W8A8
 DENSE_W8A8_ROWS[0] rows on CUDA with cuBLASLt built run cuBLASLt (24 cases were Pallas); 2026-12-07b, MLA
 query rows together only below 64 heads (mla_decode.rows_together; 128 cases); 2026-12-07c, bf16 routed
 experts at 33-64 rows an expert on one 64-row tile (moe.PALLAS_TILES; 60 cases, the FP8 experts unchanged).
+2026-12-07d, MLA/MFA decode over an FP8 cache below 64 heads on Pallas's gather tile (32 tokens, 2 stages;
+on CUDA in place of Triton for one row a sequence; 288 cases).
 And each layer entry point returns an array on every path (XLA, and the kernels in the interpreter)."""
 
 import gzip

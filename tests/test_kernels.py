@@ -204,24 +204,28 @@ def test_mfa_decode_kernel_matches_reference(kv, B, H, D, block_size, nb, lens, 
 
 def test_fp8_selection_on_gpu(monkeypatch):
     """auto on a GPU without jax-triton: an FP8 cache with 64+ heads stays on XLA (the page tile timed
-    slower there), 16 heads take the page tile; bf16 takes the gather tile; "pallas" still forces the kernel."""
+    slower there), 16 heads take the gather tile with 32 tokens (plain FP8 loads; 2026-12-07d); bf16 takes the
+    gather tile; "pallas" still forces the kernel."""
     FP8 = jnp.float8_e4m3fn
     monkeypatch.setattr(common, "platform", lambda: "cuda")
     monkeypatch.setattr(jax_triton_compat, "available", lambda: (False, "absent"))
     with kernel_mode("auto"):
         assert mla_decode.plan(256, 128, 512, 64, 2048, 16, FP8).path == "xla"
         assert mfa_decode.plan(256, 64, 256, 1, 4096, 16, FP8).path == "xla"
-        assert mla_decode.plan(256, 16, 512, 64, 2048, 16, FP8).params["tile"] == "pages"
+        c = mla_decode.plan(256, 16, 512, 64, 2048, 16, FP8)
+        assert c.path == "pallas" and (c.params["tile"], c.params["block_t"], c.params["num_stages"]) == ("gather", 32, 2)
         assert mla_decode.plan(256, 128, 512, 64, 2048, 16, BF16).params["tile"] == "gather"
-        # with jax-triton: the Triton kernel over an FP8 cache (CUDA only; XLA / Pallas' page tile before),
-        # the Pallas kernels otherwise (bf16 caches: Pallas' gather tile timed faster)
+        # with jax-triton: the Triton kernel over an FP8 cache with 64+ heads (CUDA only; XLA before), the
+        # Pallas kernels otherwise (bf16 caches and 16 heads over FP8: Pallas' gather tile timed faster)
         monkeypatch.setattr(jax_triton_compat, "available", lambda: (True, ""))
         c = mla_decode.plan(512, 128, 512, 64, 2048, 16, FP8)
         assert c.path == "triton" and c.params["block_h"] == 64 and c.params["num_splits"] == 1
         assert c.params["num_stages"] == 1  # FP8 rows widened in registers: one stage timed faster
         assert mla_decode.plan(8, 128, 512, 64, 2048, 16, FP8).params["num_splits"] > 1  # splits fill the GPU
         c = mla_decode.plan(256, 16, 512, 64, 2048, 16, FP8)
-        assert c.path == "triton" and (c.params["block_h"], c.params["block_n"], c.params["num_warps"]) == (16, 32, 4)
+        assert c.path == "pallas" and c.params["tile"] == "gather"
+        c = mla_decode.plan(256, 16, 512, 64, 2048, 16, FP8, rows=4)  # the verify's rows together: Triton
+        assert c.path == "triton" and c.params["rows"] == 4
         assert mla_decode.plan(512, 128, 512, 64, 2048, 16, BF16).params["tile"] == "gather"
         monkeypatch.setenv(common.MLA_KERNEL_ENV, "pallas")
         assert mla_decode.plan(512, 128, 512, 64, 2048, 16, FP8).path == "xla"

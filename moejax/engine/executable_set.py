@@ -12,6 +12,7 @@ holds its label (the bucket) and the number of ranks. So a setting that changes 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -85,22 +86,38 @@ def manifest_of(runner, cache: ExecutableCache) -> list[dict]:
     return cache.load_manifest(set_depends(runner)) or []
 
 
-def load_set(runner, cache: ExecutableCache) -> int:
+def load_set(runner, cache: ExecutableCache, threads: int = 1) -> int:
     """Installs every executable of the set's manifest (no trace); returns how many, 0 if the set is not
-    complete on disk (then precompile builds what is missing, loading the rest program by program)."""
+    complete on disk (then precompile builds what is missing, loading the rest program by program).
+    ``threads`` entries load at once: a model step's executable takes about a second to read and load on
+    the H100 (BENCHMARKS.md, 2026-12-07d), nearly all of a cached restart when done one by one."""
     manifest = cache.load_manifest(set_depends(runner))
     if manifest is None:
         return 0
     fns = functions(runner)
-    loaded = []
-    for entry in manifest:
+    done = [0]
+
+    def one(entry):
         fn = fns.get(entry["fn"])
         t = time.perf_counter()
         got = cache.load(entry["label"], program_depends(runner, entry["label"])) if fn is not None else None
         if got is None or got[1] != signature_from_json(entry["signature"]):
+            return None
+        done[0] += 1  # the count in the log line only
+        log.info("loaded %s in %.2f s (%d/%d)", entry["label"], time.perf_counter() - t, done[0], len(manifest))
+        return fn, got
+
+    if threads <= 1:
+        loaded = []
+        for entry in manifest:  # stops at the first miss
+            if (got := one(entry)) is None:
+                return 0
+            loaded.append(got)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="moejax-load") as pool:
+            loaded = list(pool.map(one, manifest))
+        if any(got is None for got in loaded):
             return 0
-        loaded.append((fn, got))
-        log.info("loaded %s in %.2f s (%d/%d)", entry["label"], time.perf_counter() - t, len(loaded), len(manifest))
     for fn, (compiled, sig) in loaded:
         fn.install(sig, compiled)
     return len(loaded)

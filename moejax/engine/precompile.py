@@ -79,7 +79,7 @@ def build(runner, progress: bool = True, threads: int | None = None) -> dict:
         log.info("JAX's persistent compilation cache is off in this process: its executables could not be kept "
                  "by the executable cache here (moejax/compilation.py keeps_object_code)")
     show = runner.config.args.print_programs
-    if cache is not None and (n := executable_set.load_set(runner, cache)):  # the whole set: nothing traced
+    if cache is not None and (n := executable_set.load_set(runner, cache, threads)):  # the whole set: nothing traced
         if show:
             print("\n".join(describe([e["label"] for e in executable_set.manifest_of(runner, cache)])), flush=True)
         log.info("executable cache %s: all %d programs loaded, none traced or compiled", cache.dir, n)

@@ -2,13 +2,14 @@
 ``triton_mla_decode``, the Pallas ``paged_decode_attention`` or XLA's gather path (``xla``). ``plan``
 decides once from the shapes, the cache dtype and the platform; ``run`` computes its path.
 
-Rule: Triton for any FP8 cache on CUDA with jax-triton (Hopper: up to 216 KB of shared memory; ROCm's
-64 KB of LDS cannot hold its tiles); else Pallas, or XLA for an FP8 cache with 64+ heads
-(paged_decode.slow_fp8). Several query rows a sequence (the speculative verify): together in the Triton
+Rule: Triton for an FP8 cache with 64+ heads on CUDA with jax-triton (Hopper: up to 216 KB of shared
+memory; ROCm's 64 KB of LDS cannot hold its tiles); else Pallas (fewer heads over FP8: its gather tile,
+11-14% faster than Triton at 16 heads), or XLA for an FP8 cache with 64+ heads (paged_decode.slow_fp8). Several query rows a sequence (the speculative verify): together in the Triton
 kernel (a sequence's context read once for all its rows) only where one row leaves its 64-row tile part
 empty (``rows_together``); at 64+ heads each row on its own.
-Measured: BENCHMARKS.md, "MLA and MFA decode kernels" (H100 tiling sweep benchmarks/2026-12-07/h100/r1/mla128s.txt
-and mla16s.txt; rows together or not benchmarks/2026-12-07b/h100/r1/mla128.txt and mla16.txt).
+Measured: BENCHMARKS.md, "MLA and MFA decode kernels" (H100 tiling sweeps benchmarks/2026-12-07/h100/r1/mla128s.txt,
+mla16s.txt and, FP8 on Pallas, benchmarks/2026-12-07d/h100/r1/; rows together or not
+benchmarks/2026-12-07b/h100/r1/mla128.txt and mla16.txt).
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ TRITON_TOKENS_STAGES = {(True, True): (64, 1), (True, False): (32, 2), (False, T
 
 
 def mla_kernel(heads: int, latent: int, rope: int, cache_dtype, rows: int = 1) -> str:
-    """Which kernel runs MLA decode on a GPU: "triton" over an FP8 cache on CUDA where jax-triton is
-    installed, else "pallas" (or XLA where that is slower). The ``mla_kernel`` setting (or
+    """Which kernel runs MLA decode on a GPU: "triton" over an FP8 cache with 64+ heads on CUDA where
+    jax-triton is installed, else "pallas" (or XLA where that is slower). The ``mla_kernel`` setting (or
     ``MOEJAX_MLA_KERNEL``) ``pallas|triton`` forces one (measuring)."""
     want = common.override("mla_kernel", MLA_KERNEL_ENV, MLA_KERNELS)
     if want != "auto":
         return want
-    ok = common.platform() == "cuda" and paged_decode.fp8_cache(cache_dtype) and triton_dim(latent) and triton_dim(rope)
+    ok = (common.platform() == "cuda" and paged_decode.slow_fp8(heads, cache_dtype) and triton_dim(latent)
+          and triton_dim(rope))
     return "triton" if ok and jax_triton_compat.available()[0] else "pallas"
 
 

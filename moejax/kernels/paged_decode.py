@@ -27,8 +27,9 @@ def params(batch: int, heads: int, max_len: int, block_size: int, cache_dtype) -
     """Tiling of ``paged_decode_attention``, MLA and MFA alike. bf16 cache: the gather tile, 64 tokens
     across four pages in one dot; 32-head blocks (fewer page re-reads) once they give half a program per
     SM, else 32-token tiles; 16 heads take 16-head blocks (Triton dots need M >= 16; the CPU interpreter
-    takes any). FP8 cache: the whole-page tile, one or two pages a step (its select-after-load keeps the
-    tile in registers). ROCm: 32 tokens and one stage (64 KB of LDS; not run: no AMD GPU here). The
+    takes any). FP8 cache: below SLOW_FP8_HEADS heads the gather tile with 32 tokens and 2 stages (H100, 16
+    heads: 320 us against the page tile's 402 at 256 x 2048); 64+ heads (forced) and ROCm the whole-page
+    tile, one page a step. ROCm: 32 tokens and one stage (64 KB of LDS; not run: no AMD GPU here). The
     context is split until the programs fill the GPU, each split >= 256 tokens."""
     rocm, cpu = common.platform() == "rocm", common.platform() == "cpu"
     fp8 = fp8_cache(cache_dtype)
@@ -42,9 +43,10 @@ def params(batch: int, heads: int, max_len: int, block_size: int, cache_dtype) -
     programs = batch * -(-heads // block_h)
     max_splits = max(1, max_len // 256)
     num_splits = max(1, min(max_splits, -(-common.num_compute_units() // max(programs, 1)), 16))
+    if fp8 and heads < SLOW_FP8_HEADS and not rocm:  # plain FP8 loads (no select): H100 sweep 2026-12-07d
+        return dict(tile="gather", block_h=block_h, block_t=32, num_splits=num_splits, num_warps=4, num_stages=2)
     if fp8:
-        pages = 1 if rocm or heads >= 64 else 2
-        return dict(tile="pages", block_h=block_h, block_t=pages * block_size, num_splits=num_splits,
+        return dict(tile="pages", block_h=block_h, block_t=block_size, num_splits=num_splits,
                     num_warps=4, num_stages=1 if rocm else 2)
     return dict(tile="gather", block_h=block_h, block_t=block_t, num_splits=num_splits, num_warps=4,
                 num_stages=1 if rocm else (3 if block_h >= 32 else 2))
