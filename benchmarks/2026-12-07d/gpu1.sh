@@ -33,3 +33,12 @@ run start_serial 100 env MOEJAX_COMPILE_THREADS=1 python3 scripts/bench_startup.
 run mla16 60 python3 scripts/bench_kernels.py --only mla --batch 64 256 --context 2048 --heads 16 --kv fp8
 run mla16_tri 60 env MOEJAX_MLA_KERNEL=triton python3 scripts/bench_kernels.py --only mla --batch 64 256 --context 2048 --heads 16 --kv fp8
 fi
+# c: phase b's restart comparison at a still smaller set (--max-num-seqs 16, --max-prefill-tokens 1024,
+#    --max-model-len 1024), the pooled restart first.
+if [ "$PH" = c ]; then
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../.whl/*.whl >> $R/pip.txt 2>&1
+export PYTHONPATH=/tmp/site:$PWD XLA_FLAGS=--xla_disable_hlo_passes=rematerialization
+S="--model deepseek-v2-lite --load-format dummy --max-num-seqs 16 --max-model-len 1024 --max-prefill-tokens 1024 --kv-cache-dtype fp8"
+run start_pool 200 python3 scripts/bench_startup.py --runs 2 --cache-dir /tmp/bs --log-dir $R/bs_pool --json $R/bs_pool.json --timeout 180 -- $S
+run start_serial 60 env MOEJAX_COMPILE_THREADS=1 python3 scripts/bench_startup.py --runs 1 --cache-dir /tmp/bs --log-dir $R/bs_serial --json $R/bs_serial.json --timeout 55 -- $S
+fi
