@@ -195,6 +195,8 @@ class Program:
 
     def __init__(self, name: str, hlo_text: str, cost: dict | None = None):
         self.name, self.cost = name, cost or {}
+        m = re.match(r"HloModule ([\w.-]+)", hlo_text)
+        self.module = m.group(1) if m else ""  # the execution's name in a trace
         self.comps: dict[str, dict[str, Instr]] = {}
         self.roots: dict[str, str] = {}
         self.entry = None
@@ -416,7 +418,7 @@ def op_events(trace: dict) -> tuple[list[dict], str, list[tuple[float, float]]]:
         streams = {tid for tid, n in line.items() if n.lower().startswith("stream")}
         kept = ([e for e in mine if e.get("tid") in streams] if streams else
                 [e for e in mine if not _DERIVED_LINES.search(line.get(e.get("tid"), ""))])
-        modules = sorted((e["ts"], e["ts"] + e["dur"]) for e in mine if line.get(e.get("tid")) == "XLA Modules")
+        modules = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in mine if line.get(e.get("tid")) == "XLA Modules")
         if kept:
             return kept, procs[pid], modules
     host = [e for e in spans if "hlo_op" in e.get("args", {})]
@@ -440,25 +442,32 @@ def _busy(events: list[dict]) -> float:
 
 def assign_programs(events: list[dict], programs: list[Program], modules=()) -> list[str | None]:
     """The program each event ran in. The events of one execution (one run_id, or program_id, in their
-    args; else inside one span of the device's "XLA Modules" line) go together to the program whose
-    op names they match best (Jaccard); an event in none of those goes to the first program that has
-    an op of its name."""
-    starts = [s for s, _ in modules]
+    args; else inside one span of the device's "XLA Modules" line) go together to the program of that
+    execution's HLO module name (the runner names each program's module: jit_decode, jit_spec_verify, ...),
+    or, where several programs or none have that name, to the one whose op names they match best
+    (Jaccard; programs of one name share op names such as fusion.1); an event in none of those goes to the
+    first program that has an op of its name."""
+    starts = [s for s, _, _ in modules]
     groups: dict[tuple, list[int]] = collections.defaultdict(list)
     for i, e in enumerate(events):
         a = e.get("args", {})
         run = a.get("run_id") or a.get("program_id")
         if run:
-            key = (a.get("hlo_module"), run)
+            key = (a.get("hlo_module") or "?", run)
         else:
             k = bisect.bisect_right(starts, e["ts"]) - 1
-            key = ("module span", k) if k >= 0 and e["ts"] < modules[k][1] else ("", i)
+            key = (re.sub(r"\(\d+\)$", "", modules[k][2]) or "?", k) if k >= 0 and e["ts"] < modules[k][1] else ("", i)
         groups[key].append(i)
     out: list[str | None] = [None] * len(events)
     for key, idx in groups.items():
         names = {events[i].get("args", {}).get("hlo_op") or events[i]["name"] for i in idx}
         if key[0] != "":
-            score, best = max(((len(names & p.top_ops) / len(names | p.top_ops), p.name) for p in programs),
+            named = [p for p in programs if p.module == key[0]]
+            if len(named) == 1:
+                for i in idx:
+                    out[i] = named[0].name
+                continue
+            score, best = max(((len(names & p.top_ops) / len(names | p.top_ops), p.name) for p in named or programs),
                               default=(0, None))
             if score > 0:
                 for i in idx:

@@ -288,6 +288,34 @@ ENTRY %main.2 (p0: f32[8,320]) -> s32[8] {
     assert res["step_s"] == pytest.approx(200e-6) and sum(r["share"] for r in res["ops"]) == pytest.approx(1.0)
 
 
+def test_profile_step_tells_programs_apart_by_module_name():
+    """Two programs with the same op names (a speculative verify and draft both run fusion.1): each
+    execution span goes to the program of its HLO module's name, which Jaccard over op names could not tell."""
+    import profile_step
+    hlo = """HloModule jit_{name}
+
+%fused (param_0: f32[8,64]) -> f32[8,64] {{
+  ROOT %param_0 = f32[8,64]{{1,0}} parameter(0)
+}}
+
+ENTRY %main (p0: f32[8,64]) -> f32[8,64] {{
+  %p0 = f32[8,64]{{1,0}} parameter(0)
+  ROOT %fusion.1 = f32[8,64]{{1,0}} fusion(%p0), kind=kLoop, calls=%fused
+}}
+"""
+    progs = [profile_step.Program(n, hlo.format(name=n)) for n in ("spec_verify", "spec_draft")]
+    assert [p.module for p in progs] == ["jit_spec_verify", "jit_spec_draft"]
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
+    meta += [{"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
+             for t, n in ((1, "Stream #7(Compute)"), (4, "XLA Modules"))]
+    ev = [{"ph": "X", "pid": 1, "tid": 4, "ts": 0.0, "dur": 50.0, "name": "jit_spec_draft(7)"},
+          {"ph": "X", "pid": 1, "tid": 1, "ts": 5.0, "dur": 30.0, "name": "k", "args": {"hlo_op": "fusion.1"}},
+          {"ph": "X", "pid": 1, "tid": 4, "ts": 60.0, "dur": 50.0, "name": "jit_spec_verify(8)"},
+          {"ph": "X", "pid": 1, "tid": 1, "ts": 65.0, "dur": 10.0, "name": "k", "args": {"hlo_op": "fusion.1"}}]
+    events, _, modules = profile_step.op_events({"traceEvents": meta + ev})
+    assert profile_step.assign_programs(events, progs, modules) == ["spec_draft", "spec_verify"]
+
+
 def test_bench_spec_decode_runs_on_cpu(tmp_path):
     """bench_spec_decode.py on the tiny preset (with its MTP layer): a step time for each (batch, k) and the
     projection sum_{i<=k} a^i x batch / step time (k = 0: batch / step time at every rate)."""

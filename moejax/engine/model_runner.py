@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -282,6 +283,9 @@ class ModelRunner:
                                      out_specs=RANK, check_vma=False)(params, routing, *args)
         else:
             fn = per_rank
+        # The program's own name in its HLO module ("jit_decode", ...): profiles (scripts/profile_step.py,
+        # XProf) tell the step's programs apart by it, where all were "jit_per_rank" before.
+        fn.__name__ = fn.__qualname__ = re.sub(r"\W", "_", name)
         return PrecompiledFunction(jax.jit(fn, donate_argnums=(2,) if with_cache else (), **self._one_device()), name)
 
     def _one_device(self) -> dict:
@@ -317,6 +321,7 @@ class ModelRunner:
             if self.mesh is not None:
                 body = jax.shard_map(body, mesh=self.mesh, in_specs=RANK, out_specs=RANK, check_vma=False)
             return body(logits, temp, top_p, top_k, seeds, positions, controls, history)
+        fn.__name__ = fn.__qualname__ = "sample"
         # ``mode`` is positional (jit takes no keywords with in_shardings).
         return PrecompiledFunction(jax.jit(fn, static_argnums=(6,), donate_argnums=(8,), **self._one_device()),
                                    "sample", (6,))
