@@ -30,7 +30,7 @@ from moejax.engine.sampling_params import SamplingParams
 from moejax.launch import build_parser, check_args, child_env
 from moejax.parallel import processes
 from moejax.parallel.sharding import make_mesh
-from moejax.server.app import free_port
+from moejax.server.app import ServerThread, free_port, make_app
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
@@ -305,7 +305,7 @@ def test_follower_replays_the_leaders_calls(job):
     follower = LLMEngine(model.config, base.runner, model.tokenizer, tuple(base.eos_token_ids), base.balancer)
     replayed = []
     add = follower.add_request
-    follower.add_request = lambda *a: replayed.append(add(*a)) or replayed[-1]  # keeps what follow() adds
+    follower.add_request = lambda *a, **k: replayed.append(add(*a, **k)) or replayed[-1]  # keeps what follow() adds
     follow(follower, channel)
     assert not channel.messages and not follower.has_unfinished()
     assert [s.seed for s in replayed] == [s.seed for s in seqs]
@@ -317,3 +317,43 @@ def test_follower_replays_the_leaders_calls(job):
     follower.add_request([8, 9], sp)
     with pytest.raises(RuntimeError, match="differs from process 0's"):
         follow(follower, channel)
+
+
+def test_leader_shares_n_samples_prompt(job):
+    """The multi-process server's process 0 (its LeaderEngine behind the HTTP front end) serves n = 3 with the
+    prompt prefilled once: samples 2 and 3 wait for its blocks and compute only what the prefix cache lacks
+    (the prompt's last block), counted in prefilled tokens; a follower replaying the calls holds the samples
+    back the same way (the same prefilled tokens and sampled tokens, its state digest equal before every step)."""
+    kw = dict(dtype="float32", max_model_len=96, max_num_seqs=4, num_kv_blocks=24, block_size=16, progress=False)
+    model = moejax.load(job[1], **kw)
+    channel = _ListChannel()
+    app, _ = make_app(model, "mp-n", engine=LeaderEngine(model.engine, channel))
+    rng = np.random.default_rng()
+    prompt = rng.integers(2, 300, size=int(rng.integers(40, 70))).tolist()
+    srv = ServerThread(app=app).start()
+    try:
+        before = model.engine.stats.prefill_tokens
+        req = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(
+            {"model": "mp-n", "prompt": prompt, "n": 3, "max_tokens": 4, "temperature": 1.0,
+             "seed": int(rng.integers(1 << 30)), "ignore_eos": True, "return_token_ids": True}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            body = json.loads(r.read())
+        prefilled = model.engine.stats.prefill_tokens - before
+    finally:
+        srv.stop()
+    L = len(prompt)
+    # the first sample the whole prompt; each other one what follows the full blocks before the last token
+    assert prefilled == L + 2 * (L - (L - 1) // 16 * 16), (prefilled, L)
+    got = [c["token_ids"] for c in body["choices"]]
+    assert len(got) == 3 and all(len(t) == 4 for t in got)
+
+    base = model.engine
+    follower = LLMEngine(model.config, base.runner, model.tokenizer, tuple(base.eos_token_ids), base.balancer)
+    replayed = []
+    add = follower.add_request
+    follower.add_request = lambda *a, **k: replayed.append(add(*a, **k)) or replayed[-1]
+    channel.messages.append([("stop",)])
+    follow(follower, channel)
+    assert follower.stats.prefill_tokens == prefilled
+    assert [s.output_ids for s in replayed] == got

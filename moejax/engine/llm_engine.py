@@ -164,6 +164,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._held)
 
+    @property
+    def num_held(self) -> int:
+        """Samples waiting for their first sequence's prompt to be cached (``add_request``'s ``after``)."""
+        return len(self._held)
+
     def pop_failed(self) -> list[Sequence]:
         """The sequences finished with an error (finish_reason "error", ``seq.error`` says why) since
         the last call: preempted more than max_preemptions times."""

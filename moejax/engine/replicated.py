@@ -31,11 +31,13 @@ class LeaderEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def add_request(self, prompt_ids, params, request_id=None):
-        seq = self._engine.add_request(prompt_ids, params, request_id)  # a ValueError sends nothing
+    def add_request(self, prompt_ids, params, request_id=None, after=None):
+        """``after``: an earlier sequence of the same prompt (n > 1, best_of), as LLMEngine's: the prompt is
+        prefilled once and shared through the prefix cache, in every process (the followers hold it too)."""
+        seq = self._engine.add_request(prompt_ids, params, request_id, after=after)  # a ValueError sends nothing
         # The seed the engine drew goes with it: the followers' sequences sample the same tokens.
         self._calls.append(("add", list(prompt_ids), dataclasses.replace(params, seed=seq.seed), request_id,
-                            seq.seq_id))
+                            seq.seq_id, None if after is None else after.seq_id))
         return seq
 
     def abort(self, seq) -> None:
@@ -57,13 +59,13 @@ class LeaderEngine:
 
 def state_digest(engine: LLMEngine) -> tuple:
     """What a follower's engine must agree on before a step (a few numbers, cheap to compare): queue
-    lengths, tokens, each sequence's rank and blocks, free blocks. A follower that differs raises
+    lengths, tokens, each sequence's rank and blocks, free blocks, held samples. A follower that differs raises
     instead of joining the step's collectives with other inputs (garbage, or a hang)."""
     sch = engine.scheduler
     queues = (sch.waiting, sch.prefilling, sch.running)
     return (tuple(len(q) for q in queues), sum(len(s) for q in queues for s in q),
             tuple((s.dp_rank, len(s.block_table), s.num_cached_tokens) for s in [*sch.prefilling, *sch.running]),
-            engine.blocks.num_free)
+            engine.blocks.num_free, engine.num_held)
 
 
 def follow(engine: LLMEngine, channel: StepChannel) -> None:
@@ -73,8 +75,10 @@ def follow(engine: LLMEngine, channel: StepChannel) -> None:
         for call in channel.receive():
             op = call[0]
             if op == "add":
-                _, prompt_ids, params, request_id, leader_id = call
-                seqs[leader_id] = engine.add_request(prompt_ids, params, request_id)
+                _, prompt_ids, params, request_id, leader_id, after_id = call
+                # ``after`` gone here (finished, dropped below) is finished there too: neither engine holds it back
+                after = None if after_id is None else seqs.get(after_id)
+                seqs[leader_id] = engine.add_request(prompt_ids, params, request_id, after=after)
             elif op == "abort":
                 seq = seqs.pop(call[1], None)
                 if seq is not None:
