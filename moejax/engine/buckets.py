@@ -32,6 +32,7 @@ run as several steps by the runner (``split``), never as a new shape.
 
 from __future__ import annotations
 
+from moejax.kernels.common import pow2
 from moejax.layers.sampler import SampleMode
 
 MAX_PREFILL_SEQS = 256  # prompts (or chunks) of one prefill program per rank at most: its logits rows
@@ -40,8 +41,8 @@ COMPILE_BOUND_WIDTH_STEP = 4  # compile_bound: the longest width and 1/4 of it
 COMPILE_BOUND_CHUNK_STEP = 4  # compile_bound: paged chunk lengths 16, 64, 256, ... and the longest
 
 
-def next_pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+# The one power-of-two rounding (kernels/common.py's pow2), under the name the engine's callers import.
+next_pow2 = pow2
 
 
 def token_bucket(n: int) -> int:
