@@ -7,13 +7,16 @@
 - ``moejax.load`` refuses an unknown keyword and a bad value with a ValueError naming it, the command
   line with a usage error;
 - a kernel override set on the engine reaches kernel selection while the step is traced, and only then;
-- a setting added to the declaration is a flag and an EngineConfig attribute with nothing else written.
+- a setting added to the declaration is a flag and an EngineConfig attribute with nothing else written;
+  one field added to a copy of moejax/engine_args.py is a keyword of ``moejax.load``, an attribute of the
+  loaded engine's EngineConfig and a flag of ``moejax serve --help``.
 """
 
 import argparse
 import dataclasses
 import inspect
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -242,6 +245,46 @@ def test_a_new_setting_is_one_declaration():
     assert config.new_thing == 3 and config.max_num_seqs == 256
     with pytest.raises(AttributeError):
         config.not_a_setting
+
+
+# The one line a new setting is: inserted into a copy of the package's declaration (EngineArgs's last field).
+NEW_SETTING = ('    new_thing: int = setting(7, "a setting this test adds", layer="scheduler", check=positive_int, '
+               'parse=int)\n\n')
+NEW_SETTING_CHECK = """
+import inspect, moejax
+p = inspect.signature(moejax.load).parameters["new_thing"]
+assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default == 7, p
+assert "``new_thing``" in moejax.load.__doc__
+try:
+    moejax.load("v3-tiny", load_format="dummy", new_thing=0)
+    raise SystemExit("new_thing=0 was not refused")
+except ValueError as e:
+    assert "new_thing" in str(e), e
+model = moejax.load("v3-tiny", load_format="dummy", dtype="float32", max_model_len=32, max_num_seqs=2,
+                    new_thing=3, progress=False)
+print("config", model.config.new_thing, model.config.args.new_thing)
+"""
+
+
+def test_a_new_setting_is_one_declaration_end_to_end(tmp_path):
+    """One field added to EngineArgs in moejax/engine_args.py (a copy of the package, nothing else edited) is a
+    keyword of moejax.load with its default and its check, an attribute of the loaded engine's EngineConfig,
+    and a flag of `moejax serve --help` with its help."""
+    for package in ("moejax", "pallas_kernels"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copytree(REPO / "configs", tmp_path / "configs")
+    declaration = tmp_path / "moejax" / "engine_args.py"
+    text = declaration.read_text()
+    at = text.index("    def __post_init__(self):", text.index("class EngineArgs"))
+    declaration.write_text(text[:at] + NEW_SETTING + text[at:])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(tmp_path)}
+    run = dict(capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    loaded = subprocess.run([sys.executable, "-c", NEW_SETTING_CHECK], **run)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split()[-3:] == ["config", "3", "3"], loaded.stdout
+    helped = subprocess.run([sys.executable, "-m", "moejax", "serve", "--help"], **run)
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert "--new-thing NEW_THING" in helped.stdout and "a setting this test adds" in helped.stdout, helped.stdout
 
 
 @pytest.mark.parametrize("env,want", [(None, True), ("0", False)])
