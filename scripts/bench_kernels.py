@@ -168,6 +168,18 @@ def run_mla(batches, ctx, bw, rate, sweep, smoke, interpret, heads=(128,), grid=
         run_mla_heads(16 if smoke else H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs, kvs_sweep)
 
 
+def mla_cache(B, ctx, bs, C, R, kv):
+    """B sequences of ctx tokens in a one-layer paged MLA cache ([1, slots, row], bf16 or FP8 rows) with
+    shuffled block tables: (blocks a sequence, the keys left for the queries, cache, block tables)."""
+    nb = -(-ctx // bs)
+    slots = B * nb * bs
+    k = jax.random.split(jax.random.key(B), 4)
+    vals = jax.random.normal(k[0], (slots, C + R), BF16)
+    cache = (vals if kv == "bf16" else quantize_rows(vals, cache_row_dim(C + R, "fp8")))[None]
+    bt = jax.random.permutation(k[1], slots // bs).reshape(B, nb).astype(jnp.int32)
+    return nb, k, cache, bt
+
+
 def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs, kvs_sweep):
     C, R, bs = (64, 16, 16) if smoke else (512, 64, 16)
     scale = 0.1
@@ -176,14 +188,7 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
           f"{'xla/pal':>7} {'pal/floor':>9}  params")
     for kv in kvs:
         for B in batches:
-            nb = -(-ctx // bs)
-            slots = B * nb * bs
-            k = jax.random.split(jax.random.key(B), 4)
-            vals = jax.random.normal(k[0], (slots, C + R), BF16)
-            cache = vals if kv == "bf16" else quantize_rows(vals, cache_row_dim(C + R, "fp8"))
-            del vals
-            cache = cache[None]  # [L=1, slots, D]
-            bt = jax.random.permutation(k[1], slots // bs).reshape(B, nb).astype(jnp.int32)
+            nb, k, cache, bt = mla_cache(B, ctx, bs, C, R, kv)
             lens = jnp.full((B,), ctx, jnp.int32)
             ql = jax.random.normal(k[2], (B, H, C), BF16)
             qr = jax.random.normal(k[3], (B, H, R), BF16)
@@ -227,13 +232,7 @@ def run_mla_rows(H, batches, ctx, rows, bw, rate, smoke, interpret, kvs):
           f"{'rows/floor':>10}  per-row kernel")
     for kv in kvs:
         for B in batches:
-            nb = -(-ctx // bs)
-            slots = B * nb * bs
-            k = jax.random.split(jax.random.key(B), 4)
-            vals = jax.random.normal(k[0], (slots, C + R), BF16)
-            cache = (vals if kv == "bf16" else quantize_rows(vals, cache_row_dim(C + R, "fp8")))[None]
-            del vals
-            bt = jax.random.permutation(k[1], slots // bs).reshape(B, nb).astype(jnp.int32)
+            nb, k, cache, bt = mla_cache(B, ctx, bs, C, R, kv)
             for Q in rows:
                 lens = ctx - (Q - 1) + jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32), (B, Q))
                 ql = jax.random.normal(k[2], (B, Q, H, C), BF16)
