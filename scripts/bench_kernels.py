@@ -168,6 +168,16 @@ def run_mla(batches, ctx, bw, rate, sweep, smoke, interpret, heads=(128,), grid=
         run_mla_heads(16 if smoke else H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs, kvs_sweep)
 
 
+MLA_SCALE = 0.1  # the softmax scale of every MLA point
+
+
+def mla_points(batches, ctx, bs, C, R, kvs):
+    """Each (cache dtype, batch) point with its cache: (kv, B, *mla_cache(...))."""
+    for kv in kvs:
+        for B in batches:
+            yield (kv, B, *mla_cache(B, ctx, bs, C, R, kv))
+
+
 def mla_cache(B, ctx, bs, C, R, kv):
     """B sequences of ctx tokens in a one-layer paged MLA cache ([1, slots, row], bf16 or FP8 rows) with
     shuffled block tables: (blocks a sequence, the keys left for the queries, cache, block tables)."""
@@ -182,43 +192,40 @@ def mla_cache(B, ctx, bs, C, R, kv):
 
 def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs, kvs_sweep):
     C, R, bs = (64, 16, 16) if smoke else (512, 64, 16)
-    scale = 0.1
     print(f"\n== MLA decode: H={H} C={C} R={R} block={bs} context={ctx} ==")
     print(f"{'cache':>5} {'B':>4} {'floor us':>9} {'xla us':>9} {'pallas us':>9} {'xla TB/s':>8} {'pal TB/s':>8} "
           f"{'xla/pal':>7} {'pal/floor':>9}  params")
-    for kv in kvs:
-        for B in batches:
-            nb, k, cache, bt = mla_cache(B, ctx, bs, C, R, kv)
-            lens = jnp.full((B,), ctx, jnp.int32)
-            ql = jax.random.normal(k[2], (B, H, C), BF16)
-            qr = jax.random.normal(k[3], (B, H, R), BF16)
-            row = cache.shape[-1] * cache.dtype.itemsize
-            nbytes = B * ctx * row + B * H * (C + R) * 2 + B * H * C * 4
-            fl = 2 * B * H * ctx * (2 * C + R)
-            fl_t = floor(nbytes, fl, bw, rate)
-            with kernel_mode("xla"):
-                fx = jax.jit(functools.partial(mla_decode_attention, block_size=bs, scale=scale, layer=0))
-                t_x = bench(fx, ql, qr, cache, bt, lens)
-            with kernel_mode("pallas"):
-                ch = mla_decode.plan(B, H, C, R, nb * bs, bs, cache.dtype)
-                base = {"pallas": paged_decode.params(B, H, nb * bs, bs, cache.dtype),
-                        "triton": mla_decode.triton_params(B, H, nb * bs, kv == "fp8")}
-            sel = dict(ch.params, kernel=ch.path)
-            configs = [sel] + ([dict(base[g.get("kernel", "pallas")], **g) for g in expand(grid or MLA_GRID)]
-                               if sweep and kv in kvs_sweep else [])
-            for i, c in enumerate(configs):
-                c = dict(c)
-                kname = c.pop("kernel", "pallas")
-                fn = triton_mla_decode if kname == "triton" else paged_decode_attention
-                f = jax.jit(functools.partial(fn, block_size=bs, scale=scale, layer=0, **c, interpret=interpret))
-                try:
-                    t_p = bench(f, ql, qr, cache, bt, lens)
-                except Exception as e:
-                    print(f"{kv:>5} {B:>4}  config {c} failed: {type(e).__name__}: {str(e)[:120]}")
-                    continue
-                kvb = B * ctx * row
-                print(f"{kv:>5} {B:>4} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_p * 1e6:9.1f} {kvb / t_x / 1e12:8.2f} "
-                      f"{kvb / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {'selected' if i == 0 else ''} {kname} {c}")
+    for kv, B, nb, k, cache, bt in mla_points(batches, ctx, bs, C, R, kvs):
+        lens = jnp.full((B,), ctx, jnp.int32)
+        ql = jax.random.normal(k[2], (B, H, C), BF16)
+        qr = jax.random.normal(k[3], (B, H, R), BF16)
+        row = cache.shape[-1] * cache.dtype.itemsize
+        nbytes = B * ctx * row + B * H * (C + R) * 2 + B * H * C * 4
+        fl = 2 * B * H * ctx * (2 * C + R)
+        fl_t = floor(nbytes, fl, bw, rate)
+        with kernel_mode("xla"):
+            fx = jax.jit(functools.partial(mla_decode_attention, block_size=bs, scale=MLA_SCALE, layer=0))
+            t_x = bench(fx, ql, qr, cache, bt, lens)
+        with kernel_mode("pallas"):
+            ch = mla_decode.plan(B, H, C, R, nb * bs, bs, cache.dtype)
+            base = {"pallas": paged_decode.params(B, H, nb * bs, bs, cache.dtype),
+                    "triton": mla_decode.triton_params(B, H, nb * bs, kv == "fp8")}
+        sel = dict(ch.params, kernel=ch.path)
+        configs = [sel] + ([dict(base[g.get("kernel", "pallas")], **g) for g in expand(grid or MLA_GRID)]
+                           if sweep and kv in kvs_sweep else [])
+        for i, c in enumerate(configs):
+            c = dict(c)
+            kname = c.pop("kernel", "pallas")
+            fn = triton_mla_decode if kname == "triton" else paged_decode_attention
+            f = jax.jit(functools.partial(fn, block_size=bs, scale=MLA_SCALE, layer=0, **c, interpret=interpret))
+            try:
+                t_p = bench(f, ql, qr, cache, bt, lens)
+            except Exception as e:
+                print(f"{kv:>5} {B:>4}  config {c} failed: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            kvb = B * ctx * row
+            print(f"{kv:>5} {B:>4} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_p * 1e6:9.1f} {kvb / t_x / 1e12:8.2f} "
+                  f"{kvb / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {'selected' if i == 0 else ''} {kname} {c}")
 
 
 def run_mla_rows(H, batches, ctx, rows, bw, rate, smoke, interpret, kvs):
@@ -226,37 +233,34 @@ def run_mla_rows(H, batches, ctx, rows, bw, rate, smoke, interpret, kvs):
     (the context read once) against the selected single-row kernel over B x Q rows, each with the
     sequence's table (each row reads the context), as the verify ran before."""
     C, R, bs = (64, 16, 16) if smoke else (512, 64, 16)
-    scale = 0.1
     print(f"\n== MLA decode, query rows a sequence: H={H} C={C} R={R} block={bs} context={ctx} ==")
     print(f"{'cache':>5} {'B':>4} {'Q':>2} {'floor us':>9} {'rows us':>9} {'per-row us':>10} {'per-row/rows':>12} "
           f"{'rows/floor':>10}  per-row kernel")
-    for kv in kvs:
-        for B in batches:
-            nb, k, cache, bt = mla_cache(B, ctx, bs, C, R, kv)
-            for Q in rows:
-                lens = ctx - (Q - 1) + jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32), (B, Q))
-                ql = jax.random.normal(k[2], (B, Q, H, C), BF16)
-                qr = jax.random.normal(k[3], (B, Q, H, R), BF16)
-                row = cache.shape[-1] * cache.dtype.itemsize
-                nbytes = B * ctx * row + B * Q * H * (C + R) * 2 + B * Q * H * C * 2
-                fl_t = floor(nbytes, 2 * B * Q * H * ctx * (2 * C + R), bw, rate)
-                with kernel_mode("pallas"):
-                    grouped = mla_decode.plan(B, H, C, R, nb * bs, bs, cache.dtype, rows=Q)
-                    flat = mla_decode.plan(B * Q, H, C, R, nb * bs, bs, cache.dtype)
-                tp = {kk: v for kk, v in grouped.params.items() if kk != "rows"}
-                if grouped.path != "triton":
-                    tp = mla_decode.triton_params(B, H * Q, nb * bs, kv == "fp8")
-                fg = jax.jit(functools.partial(triton_mla_decode, block_size=bs, scale=scale, layer=0,
-                                               out_dtype=BF16, interpret=interpret, **tp))
-                t_g = bench(fg, ql, qr, cache, bt, lens)
-                ffn = triton_mla_decode if flat.path == "triton" else paged_decode_attention
-                ff = jax.jit(functools.partial(ffn, block_size=bs, scale=scale, layer=0, out_dtype=BF16,
-                                               interpret=interpret, **flat.params))
-                args = (ql.reshape(B * Q, H, C), qr.reshape(B * Q, H, R), cache, jnp.repeat(bt, Q, axis=0),
-                        lens.reshape(-1))
-                t_f = bench(ff, *args) if flat.path != "xla" else float("nan")
-                print(f"{kv:>5} {B:>4} {Q:>2} {fl_t * 1e6:9.1f} {t_g * 1e6:9.1f} {t_f * 1e6:10.1f} {t_f / t_g:12.2f} "
-                      f"{t_g / fl_t:10.2f}  {flat.path} {flat.params}  rows: {tp}")
+    for kv, B, nb, k, cache, bt in mla_points(batches, ctx, bs, C, R, kvs):
+        for Q in rows:
+            lens = ctx - (Q - 1) + jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32), (B, Q))
+            ql = jax.random.normal(k[2], (B, Q, H, C), BF16)
+            qr = jax.random.normal(k[3], (B, Q, H, R), BF16)
+            row = cache.shape[-1] * cache.dtype.itemsize
+            nbytes = B * ctx * row + B * Q * H * (C + R) * 2 + B * Q * H * C * 2
+            fl_t = floor(nbytes, 2 * B * Q * H * ctx * (2 * C + R), bw, rate)
+            with kernel_mode("pallas"):
+                grouped = mla_decode.plan(B, H, C, R, nb * bs, bs, cache.dtype, rows=Q)
+                flat = mla_decode.plan(B * Q, H, C, R, nb * bs, bs, cache.dtype)
+            tp = {kk: v for kk, v in grouped.params.items() if kk != "rows"}
+            if grouped.path != "triton":
+                tp = mla_decode.triton_params(B, H * Q, nb * bs, kv == "fp8")
+            fg = jax.jit(functools.partial(triton_mla_decode, block_size=bs, scale=MLA_SCALE, layer=0,
+                                           out_dtype=BF16, interpret=interpret, **tp))
+            t_g = bench(fg, ql, qr, cache, bt, lens)
+            ffn = triton_mla_decode if flat.path == "triton" else paged_decode_attention
+            ff = jax.jit(functools.partial(ffn, block_size=bs, scale=MLA_SCALE, layer=0, out_dtype=BF16,
+                                           interpret=interpret, **flat.params))
+            args = (ql.reshape(B * Q, H, C), qr.reshape(B * Q, H, R), cache, jnp.repeat(bt, Q, axis=0),
+                    lens.reshape(-1))
+            t_f = bench(ff, *args) if flat.path != "xla" else float("nan")
+            print(f"{kv:>5} {B:>4} {Q:>2} {fl_t * 1e6:9.1f} {t_g * 1e6:9.1f} {t_f * 1e6:10.1f} {t_f / t_g:12.2f} "
+                  f"{t_g / fl_t:10.2f}  {flat.path} {flat.params}  rows: {tp}")
 
 
 MFA_GRID = [{"tile": ["gather"], "block_h": [16, 32], "block_t": [32, 64], "num_warps": [4], "num_stages": [2, 3],
