@@ -25,11 +25,13 @@ GPU (JAX reserves most of the GPU's memory for itself once it starts).
 """
 
 import argparse
+import collections
 import functools
 import gc
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -41,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.benchmark.decode_setup import (  # noqa: F401  (also this script's names: tests and callers use them)
-    add_engine_flags, bench_hf_config, build_decode_batch, capture_decode_args, engine_settings, fill_without_prefill,
+    add_engine_flags, bench_hf_config, build_decode_batch, capture_decode_args, capture_step_programs, engine_settings,
+    fill_without_prefill,
     step_floor, weight_kw)
 from moejax.benchmark.ep import time_dispatch
 from moejax.benchmark.roofline import measure_copy_bandwidth, measure_matmul_rate, time_call
@@ -152,6 +155,23 @@ def peer_in_child(argv) -> tuple[float | None, str | None]:
             return json.load(f)["peer_tok_per_s"], None
 
 
+def print_compile_time(eng, kernels) -> None:
+    """The decode program built again (one more step's arguments): seconds to trace and lower, seconds in
+    XLA, and its custom calls by target (a Pallas/Triton kernel each): where a cold start's time goes."""
+    for name, fn, args, kw in capture_step_programs(eng):
+        if name != "decode":
+            continue
+        jax.clear_caches()  # JAX keeps the lowering and the executable in memory: build both again
+        t0 = time.perf_counter()
+        lowered = fn.lower(*args, **kw)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text()))
+        print(f"  compile (kernels={kernels}, {eng.runner.cfg.num_hidden_layers} layers): trace + lower "
+              f"{t1 - t0:.2f} s, XLA {t2 - t1:.2f} s; custom calls {dict(calls) or 'none'}", flush=True)
+
+
 def run_one(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=None, device_steps=0):
     """Engine decode step times [s] at the point (the loop of --loop unless ``async_scheduling`` is given);
     with ``device_steps``, also the compiled step's own time (device_step_time). Returns (times, memory,
@@ -173,6 +193,8 @@ def run_one(hf, parallel, kernels, a, weight_dtype="bf16", async_scheduling=None
     if not times:
         raise SystemExit(f"no decode step was timed: --output-len {a.output_len} leaves no steps after "
                          f"{a.warmup} warm-up steps")
+    if getattr(a, "compile_time", False) and not any(s.is_finished for s in seqs):
+        print_compile_time(eng, kernels)
     memory = decode_memory(eng) if a.memory and not any(s.is_finished for s in seqs) else None
     device = device_step_time(eng, device_steps) if device_steps and not any(s.is_finished for s in seqs) else None
     del m, eng, seqs
@@ -264,6 +286,9 @@ def main(argv=None):
     ap.add_argument("--host-overhead", action="store_true",
                     help="instead of the variants: the engine's step time with the synchronous and the overlapped "
                          "(async scheduling) loop against the compiled step alone (first kernels/parallel/weights)")
+    ap.add_argument("--compile-time", action="store_true",
+                    help="also build the decode program again and print its trace/lower and XLA seconds "
+                         "(run with the persistent compilation cache off)")
     ap.add_argument("--json", default=None)
     add_engine_flags(ap)  # --dtype, --fp8-variant, --moe-kernel, --mla-kernel, ... (moejax/engine_args.py)
     a = ap.parse_args(argv)

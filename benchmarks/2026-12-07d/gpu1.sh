@@ -42,3 +42,11 @@ S="--model deepseek-v2-lite --load-format dummy --max-num-seqs 16 --max-model-le
 run start_pool 200 python3 scripts/bench_startup.py --runs 2 --cache-dir /tmp/bs --log-dir $R/bs_pool --json $R/bs_pool.json --timeout 180 -- $S
 run start_serial 60 env MOEJAX_COMPILE_THREADS=1 python3 scripts/bench_startup.py --runs 1 --cache-dir /tmp/bs --log-dir $R/bs_serial --json $R/bs_serial.json --timeout 55 -- $S
 fi
+# d: where a cold start's time goes: the V2-Lite decode program (B=256, FP8 KV) built again at 2 and 4 layers
+#    with the kernels (auto) and without (xla): trace + lower and XLA seconds, its custom calls (per layer
+#    cost = the difference; the kernels' share = auto - xla).
+if [ "$PH" = d ]; then
+for L in 2 4; do for K in auto xla; do
+run compile_${L}_$K 150 python3 scripts/bench_decode.py --preset deepseek-v2-lite --layers $L --concurrency 256 --input-len 2000 --output-len 16 --steps 3 --warmup 1 --fill random --kv-dtype fp8 --kernels $K --compile-time
+done; done
+fi
