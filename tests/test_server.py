@@ -5,6 +5,7 @@ the step log, /health and /metrics."""
 
 import asyncio
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -321,6 +322,43 @@ def test_disconnect_mid_stream_frees_blocks(server, client):
     assert m["vllm:kv_cache_usage_perc"] == 0.0
     assert m["vllm:request_success_total"] == before["vllm:request_success_total"]  # aborts are no success
     assert server.aengine.engine.blocks.num_free == server.aengine.engine.blocks.num_blocks
+
+
+def test_disconnect_non_streaming_aborts_and_frees_blocks(server):
+    """Invariant: a non-streaming client that times out while its tokens are still coming (its connection
+    closed) has its request aborted, not run to the end: counted as an abort, no success, every KV block
+    free again. The client waits for the request's first decoded tokens before its read times out: the
+    handler then sees events, not a quiet wait (the same request run once before: no compile pauses them)."""
+    body = json.dumps({"model": NAME, "prompt": "a long story", "max_tokens": MAX_LEN - 20, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    status, full = _post_raw(server, "/v1/completions", body)
+    assert status == 200 and full["usage"]["completion_tokens"] == MAX_LEN - 20
+    before = _metrics(server)
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {server.host}:{server.port}\r\n".encode()
+                 + b"Content-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    engine = server.aengine.engine
+    deadline = time.time() + 60
+    while not any(len(s.output_ids) >= 2 for s in list(engine.scheduler.running)):
+        assert time.time() < deadline, "the request never started decoding"
+        time.sleep(0.01)
+    sock.settimeout(0.01)
+    with pytest.raises(socket.timeout):
+        sock.recv(1)  # the client's read timeout (short: the rest of the request takes ~0.3 s): it gives up
+    sock.close()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = _metrics(server)
+        ended = (m["moejax:request_aborted_total"] > before["moejax:request_aborted_total"]
+                 or m["vllm:request_success_total"] > before["vllm:request_success_total"])
+        if ended and m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["moejax:request_aborted_total"] == before["moejax:request_aborted_total"] + 1
+    assert m["vllm:request_success_total"] == before["vllm:request_success_total"]  # it did not run to its end
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0
+    assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
 def test_64_concurrent_streams(server, ref):

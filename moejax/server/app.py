@@ -153,9 +153,11 @@ async def _collect(request, stream, aengine) -> responses.Output:
     ids, lps, tops, prompt_lps = [], [], [], None
     while True:
         ev = await stream.get(POLL_S)
+        # Checked at every event too: while tokens keep coming the wait never times out, and a gone client's
+        # sequence would run to its end (aiohttp does not cancel the handler).
+        if _client_gone(request):
+            raise ConnectionResetError("client disconnected")
         if ev is None:
-            if _client_gone(request):
-                raise ConnectionResetError("client disconnected")
             if not aengine.is_alive:
                 raise APIError(f"the engine died: {aengine.error}", 503, type_="internal_server_error")
             continue
