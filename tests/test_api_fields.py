@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from pydantic import BaseModel
 
 import moejax
 from moejax.server import schemas
@@ -95,12 +96,17 @@ def test_every_field_is_honoured_or_refused():
     decided = set(schemas.HONOURED) | set(schemas.NEUTRAL_ONLY)
     for cls, vllm in ((schemas.CompletionRequest, VLLM_COMPLETION), (schemas.ChatCompletionRequest, VLLM_CHAT)):
         assert _fields(cls) - decided == set(), cls.__name__
-        assert vllm - _fields(cls) - {"bad_words", "structural_tag"} == set(), cls.__name__
+        assert vllm - _fields(cls) == set(), cls.__name__
     assert decided == _fields(schemas.CompletionRequest) | _fields(schemas.ChatCompletionRequest)
     assert _fields(schemas.StreamOptions) == VLLM_STREAM_OPTIONS
     assert set(NOT_NEUTRAL) == set(schemas.NEUTRAL_ONLY)
-    for cls in (schemas.CompletionRequest, schemas.ChatCompletionRequest, schemas.StreamOptions,
-                schemas.ChatMessage, schemas.TextPart):
+    # every body class, nested ones too (messages, tools, response_format, structured_outputs, ...): an
+    # unknown key anywhere is a 400, never dropped
+    classes = [c for c in vars(schemas).values() if isinstance(c, type) and issubclass(c, BaseModel)
+               and c is not BaseModel]
+    assert {schemas.CompletionRequest, schemas.ChatCompletionRequest, schemas.StreamOptions, schemas.ChatMessage,
+            schemas.ResponseFormat, schemas.StructuredOutputsParams, schemas.ToolDefinition} <= set(classes)
+    for cls in classes:
         assert cls.model_config["extra"] == "forbid", cls.__name__
 
 
