@@ -346,6 +346,29 @@ def test_generation_config_defaults(ctx, tmp_path):
             generation_defaults(str(tmp_path))
 
 
+def test_disaggregated_router_context_takes_the_flags(tiny_path, tmp_path):
+    """The disaggregated router parses the requests (its workers get the sampling parameters): its context has
+    --generation-config's defaults (auto: the checkpoint's generation_config.json; vllm: none; a directory) and
+    --chat-template, as make_app gives a colocated server."""
+    import shutil
+
+    from moejax.server.cli import parse_args, router_context
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_path, ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "max_new_tokens": 7}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_k": 5}))
+    for flag, want in (("auto", {"temperature": 0.6, "max_new_tokens": 7}), ("vllm", {}), (str(other), {"top_k": 5})):
+        a = parse_args(["--model", str(ckpt), "--generation-config", flag, "--chat-template", "{{ messages[0].content }}!"])
+        c = router_context(a, str(ckpt), NAME, MAX_LEN, 260)
+        assert c.defaults == want and c.model_names[0] == NAME
+        p = _parse(c, True)
+        assert c.tokenizer.decode(p.prompt_ids) == "hello there!"
+        assert p.params.max_new_tokens == want.get("max_new_tokens", MAX_LEN - len(p.prompt_ids))
+        assert p.params.temperature == want.get("temperature", 1.0)
+
+
 def test_include_stop_str_and_skip_special_tokens(client, ctx):
     """include_stop_str_in_output: the text ends with the stop string it met (plain and streamed);
     skip_special_tokens false: the text is the tokens' decoding with special tokens kept (plain and streamed;

@@ -354,11 +354,7 @@ def serve_disaggregated(a: argparse.Namespace, path: str, name: str) -> int:
     prefill, decode, max_len, vocab = start_workers(a)
     try:
         router = Router(prefill, decode, name)
-        names = tuple(dict.fromkeys([name, *((a.model,) if a.model else ()), path]))
-        tokenizer = Tokenizer(tokenizer_source(path, a.load_format))
-        if a.chat_template:
-            tokenizer.set_chat_template(a.chat_template)
-        ctx = protocol.ServingContext(names, tokenizer, max_len, vocab, **serving_parsers(a, tokenizer))
+        ctx = router_context(a, path, name, max_len, vocab)
         origins = tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip())
         policy = AccessPolicy(api_key=a.api_key or None, allowed_origins=origins, bind_host=a.host)
         app = build_app(router, ctx, policy, int(a.max_request_mb * (1 << 20)))
@@ -373,6 +369,18 @@ def serve_disaggregated(a: argparse.Namespace, path: str, name: str) -> int:
         return asyncio.run(Server(app, a.host, a.port, shutdown_timeout=a.shutdown_timeout).run())
     finally:
         stop_workers(prefill + decode)
+
+
+def router_context(a: argparse.Namespace, path: str, name: str, max_len: int, vocab: int) -> protocol.ServingContext:
+    """The disaggregated router's ServingContext: what make_app gives a colocated server (its names, the
+    tokenizer with --chat-template, --generation-config's defaults, the chat parsers); the router parses each
+    request, so the workers get its sampling parameters with these defaults applied."""
+    names = tuple(dict.fromkeys([name, *((a.model,) if a.model else ()), path]))
+    tokenizer = Tokenizer(tokenizer_source(path, a.load_format))
+    if a.chat_template:
+        tokenizer.set_chat_template(a.chat_template)
+    defaults = protocol.generation_defaults(path if a.generation_config == "auto" else a.generation_config)
+    return protocol.ServingContext(names, tokenizer, max_len, vocab, defaults, **serving_parsers(a, tokenizer))
 
 
 def follow_leader(path: str, kw: dict, precompile: bool = True) -> int:
