@@ -258,6 +258,30 @@ def test_tokenizer_endpoints(client, ctx):
         assert status in (400, 404) and err["error"]["param"] == param, (path, bad, err)
 
 
+def test_bos_rule_same_as_transformers_autotokenizer(client, tiny_path):
+    """The tokenizer's BOS rule: transformers' AutoTokenizer on the moejax checkpoint directory gives the ids
+    the server prefills (/tokenize, the completion's usage) for text prompts, with and without special tokens
+    (a text opening with the BOS string gets a second one in both, as HF's rule), and the chat template's."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_path)
+    tok = Tokenizer(tiny_path)
+    bos = tok.bos_token
+    for text in ("hello there", "", " lead", f"{bos}hi", "a\nb\u00e9"):
+        for special in (True, False):
+            want = hf.encode(text, add_special_tokens=special)
+            assert tok.encode(text, add_special_tokens=special) == want, (text, special)
+            status, body, _ = _http(client, "POST", "/tokenize", {"prompt": text, "add_special_tokens": special})
+            assert status == 200 and body["tokens"] == want, (text, special)
+    assert hf.encode("hello there")[0] == tok.bos_token_id
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]
+    want = hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    status, body, _ = _http(client, "POST", "/tokenize", {"messages": msgs})
+    assert status == 200 and body["tokens"] == list(want)
+    r = client.completions.create(model=NAME, prompt="hello there", max_tokens=1)
+    assert r.usage.prompt_tokens == len(hf.encode("hello there"))
+
+
 def test_model_by_id_and_request_id_echo(client):
     """/v1/models/{id}: the served model's card, 404 for another; X-Request-Id comes back on the response;
     the body's request_id (or that header) is the response's id."""

@@ -7,7 +7,7 @@ import json
 import os
 import tempfile
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
 BOS_ID, EOS_ID = 0, 1
@@ -33,6 +33,12 @@ def build_tokenizer() -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    # BOS through the post-processor, not only tokenizer_config's add_bos_token: transformers' AutoTokenizer on
+    # the checkpoint directory (TokenizersBackend) reads no add_bos_token, so without it lm-eval's or any HF
+    # client's ids would lack the BOS the server's tokenizer adds. With it both add one, to every text.
+    bos = SPECIAL_TOKENS[BOS_ID]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, BOS_ID)])
     return tok
 
 
