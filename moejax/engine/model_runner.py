@@ -366,9 +366,10 @@ class ModelRunner:
         steps = decode + prefill + paged
         # The sampler takes each step's logits: one program per (rows, mode), rows shared between steps.
         logits = {}
-        for p in steps:
-            info = p.out_info()[1]
-            logits.setdefault(p.sample_rows, self.abstract(info.shape, info.dtype))
+        for p in steps:  # one trace a rows size here: the other steps are traced by their lower(), beside a build
+            if p.sample_rows not in logits:
+                info = p.out_info()[1]
+                logits[p.sample_rows] = self.abstract(info.shape, info.dtype)
         sample = [Program(f"sample rows={rows} {m}", self._sample,
                           (sds, *self.arrays.sampling([[]] * N, rows), i32(rows), m,
                            *self.controls.abstract(m, rows)))

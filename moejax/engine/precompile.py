@@ -1,7 +1,7 @@
 """Start-up compilation of the runner's precompiled set (ModelRunner.precompile_programs), so that no
 request compiles anything: each program loaded from the executable cache (moejax/executable_cache.py,
 engine/executable_set.py) where its entry is current, else traced here and compiled by XLA in
-``threads`` threads (``default_threads``; tracing, which holds Python, overlaps the compiles); one log line a
+``threads`` threads (``default_threads``; tracing, which holds Python, overlaps the compiles, on CPU too); one log line a
 program ("compiled LABEL in S s (i/n)" / "loaded ...": scripts/bench_startup.py reads them), one line
 for the cache's hits and misses, and with ``print_programs`` the whole set with why each program exists.
 """
@@ -41,8 +41,9 @@ WHY = {
 
 def default_threads() -> int:
     """Compile threads: $MOEJAX_COMPILE_THREADS, else on a GPU the CPU count (at most 8: a program takes
-    seconds to minutes there), on CPU one (inline: XLA:CPU's own codegen threads already take the cores;
-    two threads on a 2-core machine were slower, BENCHMARKS.md 2026-12-07b start-up (CPU))."""
+    seconds to minutes there), on CPU one (beside the tracing thread: XLA:CPU's own codegen threads already
+    take the cores; two compile threads on a 2-core machine were slower, BENCHMARKS.md 2026-12-07b start-up
+    (CPU))."""
     env = os.environ.get("MOEJAX_COMPILE_THREADS")
     if env:
         return int(env)
@@ -108,14 +109,11 @@ def build(runner, progress: bool = True, threads: int | None = None) -> dict:
         bar.update(1)
         return True
 
-    if threads <= 1:
-        for p in programs:
-            if not loaded(p):
-                compile_one(p, p.lower())
-    else:  # traced here, compiled in the pool
-        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="moejax-compile") as pool:
-            for f in [pool.submit(compile_one, p, p.lower()) for p in programs if not loaded(p)]:
-                f.result()
+    # Traced and lowered here, compiled in the pool (one worker on CPU): Python's tracing of the next
+    # programs runs beside XLA's build of this one (BENCHMARKS.md 2026-12-07e start-up (CPU)).
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="moejax-compile") as pool:
+        for f in [pool.submit(compile_one, p, p.lower()) for p in programs if not loaded(p)]:
+            f.result()
     bar.close()
     if cache is not None:
         executable_set.store_manifest(runner, cache, programs)

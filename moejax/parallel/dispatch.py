@@ -40,6 +40,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from moejax.kernels import common
 from moejax.layers.experts import SharedWeights, grouped_expert_mlp
 from moejax.parallel import ffi_ops  # the extension itself is loaded only when the ffi backend is chosen
 
@@ -115,8 +116,35 @@ def _plus(y, shared_y):
     return y if shared_y is None else y + shared_y
 
 
+# XLA:CPU: at most this many experts run dense (every token through every expert, E / k times the
+# routed FLOPs, small at the sizes run on a CPU): the grouped path's sort, gathers and scatter-add (while
+# loops there) are a third to a half of a tiny MoE layer's compile (BENCHMARKS.md 2026-12-07e start-up (CPU)).
+DENSE_CPU_MAX_EXPERTS = 64
+
+
+def dense_on_cpu(w, shared) -> bool:
+    """Whether ``local_experts`` computes every expert for every token (XLA:CPU, few bf16/f32 experts, the
+    shared experts beside them) instead of the grouped path."""
+    return (common.platform() == "cpu" and w.gate_scale is None and shared is None
+            and w.num_experts <= DENSE_CPU_MAX_EXPERTS)
+
+
+def _dense_local_experts(x, ids, topk_weight, w):
+    """The grouped path's sum, each token through all E experts weighted by its (id, weight) choices
+    (weight 0 for the others and for padding): [T, H] float32, and the (token, expert) pairs chosen."""
+    f32 = jnp.float32
+    comb = (jax.nn.one_hot(ids, w.num_experts, dtype=f32) * topk_weight[..., None].astype(f32)).sum(1)  # [T, E]
+    g = common.einsum_f32("th,ehi->tei", x, w.gate)
+    u = common.einsum_f32("th,ehi->tei", x, w.up)
+    h = (jax.nn.silu(g) * u).astype(x.dtype)  # the grouped path's rounding before the down projection
+    y = common.einsum_f32("tei,eih->teh", h, w.down)
+    return jnp.einsum("teh,te->th", y, comb), (ids >= 0).sum().astype(jnp.int32)
+
+
 def local_experts(x, topk_idx, topk_weight, valid, slots, replicas, w, shared=None):
     ids = jnp.where(valid[:, None], physical_slots(topk_idx, slots, replicas, 0), -1)
+    if dense_on_cpu(w, shared):
+        return _dense_local_experts(x, ids, topk_weight, w)
     y, ys, n = _apply_local_experts(x, ids, topk_weight, w, shared, x)
     return _plus(y, ys), n
 
