@@ -393,6 +393,37 @@ def test_disaggregated_router_context_takes_the_flags(tiny_path, tmp_path):
         assert p.params.temperature == want.get("temperature", 1.0)
 
 
+def test_served_chat_template_kwargs_and_generation_config(tiny_path, tmp_path):
+    """Through the openai client, a server set up as moejax serve --chat-template T --generation-config DIR sets
+    it up: the template renders the messages with the request's chat_template_kwargs; a request that omits
+    max_tokens / temperature takes generation_config.json's (5 tokens, greedy: the explicit temperature 0
+    tokens whatever the seed)."""
+    from moejax.server.app import make_app
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
+    model = moejax.load(tiny_path, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=2, progress=False)
+    model.tokenizer.set_chat_template("{{ bos_token }}{% if shout is defined and shout %}!!{% endif %}"
+                                      "{% for m in messages %}<｜User｜>{{ m.content }}{% endfor %}<｜Assistant｜>")
+    app, _ = make_app(model, NAME, generation_config=str(tmp_path))
+    srv = ServerThread(app=app).start()
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": "hi"}]
+        plain = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=1)
+        shout = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=1,
+                                          extra_body={"chat_template_kwargs": {"shout": True}})
+        assert shout.usage.prompt_tokens == plain.usage.prompt_tokens + 2  # "!!": two byte tokens
+        assert plain.usage.prompt_tokens == len(model.tokenizer.encode("<｜User｜>hi<｜Assistant｜>"))
+        ids = [c.completions.create(model=NAME, prompt="hello", seed=s,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True}) for s in (1, 2)]
+        greedy = c.completions.create(model=NAME, prompt="hello", temperature=0, max_tokens=5,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert [r.usage.completion_tokens for r in ids] == [5, 5]
+        want = greedy.choices[0].model_extra["token_ids"]
+        assert [r.choices[0].model_extra["token_ids"] for r in ids] == [want, want]
+    finally:
+        srv.stop()
+
+
 def test_include_stop_str_and_skip_special_tokens(client, ctx):
     """include_stop_str_in_output: the text ends with the stop string it met (plain and streamed);
     skip_special_tokens false: the text is the tokens' decoding with special tokens kept (plain and streamed;
