@@ -39,8 +39,10 @@ def parse_args(argv=None):
     p.add_argument("--batch", default="64,256", help="comma list of decode tokens per rank")
     p.add_argument("--ctx", type=int, default=2000, help="context length of every sequence")
     p.add_argument("--backend", default="a2a")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--kernels", default="auto")
+    # The engine's own spelling of these (flag, default, choices, help): moejax/engine_args.py. Importing
+    # it imports jax but starts no backend, so --mock-topology still applies in main.
+    from moejax.engine_args import EngineArgs
+    EngineArgs.add_cli_args(p, only=("dtype", "kernels"))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--mock-topology", default=None, help="JAX's jax_mock_gpu_topology, e.g. 1x8x1 (GPU only)")
     p.add_argument("--dump", default=None, help="directory for the compiled HLO of each variant")
