@@ -31,6 +31,7 @@ from moejax.launch import build_parser, check_args, child_env
 from moejax.parallel import processes
 from moejax.parallel.sharding import make_mesh
 from moejax.server.app import ServerThread, free_port, make_app
+from moejax.server.metrics import parse_metrics
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
@@ -176,6 +177,11 @@ def _wait_healthy(proc, base, timeout=180):
         time.sleep(0.2)
 
 
+def _prefix_hits(base) -> float:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        return parse_metrics(r.read().decode())["vllm:prefix_cache_hits_total"]
+
+
 def _child_with_process_id(launcher_pid: int, process_id: int) -> int:
     """The launcher's child that is process ``process_id`` of the job (Linux /proc)."""
     children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
@@ -211,6 +217,14 @@ def test_two_process_server(job, layout):
         np.testing.assert_allclose(lps, ref["logprobs"][0], rtol=0, atol=1e-5)
         assert body["usage"]["completion_tokens"] == 6
         if layout == "replicated":
+            # n = 3 through process 0: the other processes replay the held samples; the prompt is prefilled once
+            # (each other sample hits the 32 tokens of full blocks before its last token, block size 8 or 16)
+            hits0 = _prefix_hits(base)
+            status, body = _get(base + "/v1/completions", {"model": job[1], "prompt": list(range(2, 42)), "n": 3,
+                                                           "max_tokens": 4, "temperature": 1.0, "seed": 3,
+                                                           "ignore_eos": True})
+            assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
+            assert _prefix_hits(base) - hits0 == 2 * 32
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0, _output(proc)
             return
