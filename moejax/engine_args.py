@@ -139,9 +139,19 @@ def setting(default, help: str, *, layer: str, choices: tuple | None = None, che
     return dataclasses.field(default=default, metadata=meta, hash=not (default is None and parse is _json))
 
 
+def switch(default: bool, help: str, layer: str):
+    """A boolean setting: --x / --no-x on the command line, True or False in Python."""
+    return setting(default, help, layer=layer, check=boolean)
+
+
+def choice(default: str, help: str, choices: tuple, layer: str):
+    """A setting of fixed choices (argparse's choices on the command line)."""
+    return setting(default, help, layer=layer, choices=choices)
+
+
 def kernel_choice(help: str, choices: tuple, rule: str):
     """A kernels setting whose "auto" (the default) leaves the choice to ``rule``, in moejax/kernels/."""
-    return setting("auto", f"{help} (moejax/kernels/{rule})", layer="kernels", choices=choices)
+    return choice("auto", f"{help} (moejax/kernels/{rule})", choices, "kernels")
 
 
 # ----------------------------------------------------------------------------- the declaration
@@ -149,25 +159,25 @@ def kernel_choice(help: str, choices: tuple, rule: str):
 @dataclasses.dataclass(frozen=True)
 class EngineArgs:
     # --- the model and its weights
-    dtype: str = setting("bfloat16", "the model dtype (activations; bf16 weights)", layer="model", choices=DTYPES)
-    load_format: str = setting(
+    dtype: str = choice("bfloat16", "the model dtype (activations; bf16 weights)", DTYPES, "model")
+    load_format: str = choice(
         "auto", "auto: the checkpoint's weights; dummy: RANDOM weights made on the device at the model's shapes "
         "(vLLM's --load-format dummy): the model is then a directory holding a config.json or a preset name "
         "(deepseek-v3, deepseek-v2-lite, step3, v3-tiny, ...; moejax/tiny/presets.py), with the tiny byte-level "
-        "tokenizer where it has no tokenizer files", layer="load", choices=LOAD_FORMATS)
-    weight_dtype: str = setting(
+        "tokenizer where it has no tokenizer files", LOAD_FORMATS, "load")
+    weight_dtype: str = choice(
         "auto", "auto: an FP8 checkpoint stays FP8 on the device (blocks other than 128x128 re-blocked on load); "
         "fp8: also quantise a bf16 checkpoint to 128x128 blocks (vllm --quantization fp8); bf16: dequantise",
-        layer="model", choices=WEIGHT_DTYPES)
+        WEIGHT_DTYPES, "model")
     fp8_layers: str | tuple[str, ...] = setting(
         "default", "the layer types that run FP8 when weights are FP8: default (experts, shared experts, dense "
         "MLPs, attention projections), or a comma list of experts, shared_experts, dense_mlp, attention, "
         "lm_head (moejax/layers/fp8_policy.py)", layer="model", check=fp8_layer_list)
-    fp8_variant: str = setting(
+    fp8_variant: str = choice(
         "auto", "auto: per GEMM from its rows on CUDA (W8A8 for expert GEMMs from MOE_FP8_THRESHOLDS rows an "
         "expert, moejax/kernels/moe_fp8.py: pick_variant; for dense GEMMs from DENSE_W8A8_ROWS rows, "
         "moejax/kernels/fp8_gemm.py: pick_variant), w8a16 (weights converted in the kernel) or w8a8 "
-        "(activations quantised too, FP8 dots)", layer="model", choices=VARIANTS)
+        "(activations quantised too, FP8 dots)", VARIANTS, "model")
     parallel: Any = setting(
         None, "the parallel layout: dp{N}-ep{N} (DP attention + EP experts over N devices, e.g. dp8-ep8), a "
         "layout shipped in configs/ (e.g. dp8-ep8-eplb) or a path to a .yaml; none: one device",
@@ -182,11 +192,10 @@ class EngineArgs:
     num_kv_blocks: int | None = setting(
         None, "KV cache blocks per data-parallel rank (default: max-num-seqs x max-model-len, within the memory "
         "that --gpu-memory-utilization leaves)", layer="cache", check=positive_int_or_none, parse=int)
-    kv_cache_dtype: str = setting("auto", "auto: the model dtype; fp8: e4m3 rows with a per-row scale (DeepSeek "
-                                  "MLA only)", layer="cache", choices=KV_CACHE_DTYPES)
-    enable_prefix_caching: bool = setting(
-        True, "reuse the KV blocks of a prompt's longest cached prefix (vLLM's automatic prefix caching)",
-        layer="cache", check=boolean)
+    kv_cache_dtype: str = choice("auto", "auto: the model dtype; fp8: e4m3 rows with a per-row scale (DeepSeek "
+                                 "MLA only)", KV_CACHE_DTYPES, "cache")
+    enable_prefix_caching: bool = switch(
+        True, "reuse the KV blocks of a prompt's longest cached prefix (vLLM's automatic prefix caching)", "cache")
     gpu_memory_utilization: float = setting(
         0.9, "(0, 1]: without --num-kv-blocks, the share of the device's memory (weights, cache, a reserve for "
         "the step) the cache is sized to fill; on CPU the cache is 2 GiB at most", layer="cache", check=fraction,
@@ -202,19 +211,18 @@ class EngineArgs:
     max_preemptions: int = setting(
         16, "a sequence preempted more often than this is finished with an error (the server answers 503) "
         "instead of being recomputed again", layer="scheduler", check=non_negative_int, parse=int)
-    async_scheduling: bool = setting(
+    async_scheduling: bool = switch(
         True, "build decode step t+1 while step t runs, reading t's tokens one step late (vLLM's async "
-        "scheduling; the same tokens as without it: moejax/engine/llm_engine.py)", layer="scheduler",
-        check=boolean)
+        "scheduling; the same tokens as without it: moejax/engine/llm_engine.py)", "scheduler")
     scheduling_policy: str = setting(
         _policy.DEFAULT, "when a prefill step may run while sequences decode: prefill-first (whenever a "
         "prompt waits and fits: throughput), interleave:N (at most N prefill steps in a row, then a decode "
         "step), token-budget:T (at most T prompt tokens between two decode steps); docs/serving.md",
         layer="scheduler", check=policy_spec)
     # --- kernels (the rules of moejax/kernels/<operation>.py read them while the step is traced)
-    kernels: str = setting("auto", "auto: the Pallas/Triton kernels on GPU where the shapes suit them, XLA on "
-                           "CPU; pallas: the kernels everywhere (CPU: the interpreter); xla: XLA only",
-                           layer="kernels", choices=KERNEL_MODES)
+    kernels: str = choice("auto", "auto: the Pallas/Triton kernels on GPU where the shapes suit them, XLA on "
+                          "CPU; pallas: the kernels everywhere (CPU: the interpreter); xla: XLA only",
+                          KERNEL_MODES, "kernels")
     fuse_shared_experts: str = kernel_choice(
         "auto: the shared experts inside the routed-expert kernel where the Pallas fused MoE runs; on; off",
         SHARED_FUSION, "moe.py: fuse_shared_experts")
@@ -230,16 +238,15 @@ class EngineArgs:
     mla_kernel: str = kernel_choice(
         "MLA decode's kernel on a GPU: triton (64+ heads over an FP8 cache on CUDA, the default there) or pallas",
         MLA_KERNELS, "mla_decode.py: mla_kernel")
-    fp8_fast_accum: bool = setting(
+    fp8_fast_accum: bool = switch(
         triton_fp8_dots.DEFAULT, "FP8 x FP8 dots of the Pallas kernels on Hopper's wgmma (Triton's own FP8 default; "
         "pallas_kernels/triton_fp8_dots.py); --no-fp8-fast-accum keeps Triton-lowering's precise "
         "accumulation (mma.sync); default: on unless $MOEJAX_FP8_FAST_ACC is 0. A lowering choice of the "
-        "process: the setting of the engine traced last",
-        layer="kernels", check=boolean)
+        "process: the setting of the engine traced last", "kernels")
     # --- moejax.load itself
-    precompile: bool = setting(
+    precompile: bool = switch(
         False, "compile every program the engine can run for this configuration (decode, prefill and sampling "
-        "buckets: moejax/engine/buckets.py) at load, so no later call compiles", layer="load", check=boolean)
+        "buckets: moejax/engine/buckets.py) at load, so no later call compiles", "load")
     compilation_cache_dir: str | None = setting(
         None, "JAX's persistent compilation cache, so a restart loads its programs (default: "
         "$MOEJAX_COMPILATION_CACHE_DIR, else ~/.cache/moejax/jax on a GPU, off on CPU; 'off' disables it: "
@@ -249,15 +256,15 @@ class EngineArgs:
         "(moejax/executable_cache.py): a folder; 'env' (the default): $MOEJAX_EXECUTABLE_CACHE_DIR, else off; "
         "'auto' (moejax serve's default): $MOEJAX_EXECUTABLE_CACHE_DIR, else $XDG_CACHE_HOME/moejax/executables "
         "(~/.cache/moejax/executables); 'off' disables it", layer="load", check=path_or_none, metavar="DIR")
-    kv_role: str = setting(
+    kv_role: str = choice(
         "none", "the prefill/decode disaggregation handoff this engine takes part in, as vLLM's kv_transfer_config "
         "kv_role (kv_producer, kv_consumer, kv_both): none (a plain server: no cache-row export/import programs "
         "built), prefill (exports a prefilled sequence's cache rows), decode (imports them), both; a handoff "
         "the role lacks is refused, never compiled (engine/kv_handoff.py). moejax serve --role sets it",
-        layer="load", choices=KV_ROLES)
-    print_programs: bool = setting(
+        KV_ROLES, "load")
+    print_programs: bool = switch(
         False, "print every precompiled program at start-up: its bucket and why it exists "
-        "(moejax/engine/precompile.py)", layer="load", check=boolean)
+        "(moejax/engine/precompile.py)", "load")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
