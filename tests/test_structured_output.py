@@ -22,34 +22,50 @@ pytest.importorskip("xgrammar")  # the test extra installs it; the structured ex
 VOCAB = 260
 EOS = 1
 
-# (a string's maxLength is not used: xgrammar 0.2.8's rule for it lets raw control characters in, which JSON
-# forbids; the pattern bounds the name instead)
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                           "pet": {"enum": ["cat", "dog", None]}},
-          "required": ["name", "age"], "additionalProperties": False}
+
+def person_schema(name_chars: str) -> dict:
+    """A JSON schema: a name of 1 to 6 of ``name_chars`` (a regex character class's body), an age 0-120, an
+    optional pet (cat, dog, null). tests/test_structured_output_spec.py takes it too. (A string's maxLength
+    is not used: xgrammar 0.2.8's rule for it lets raw control characters in, which JSON forbids; the
+    pattern bounds the name instead.)"""
+    return {"type": "object", "properties": {"name": {"type": "string", "pattern": f"^[{name_chars}]{{1,6}}$"},
+                                             "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                             "pet": {"enum": ["cat", "dog", None]}},
+            "required": ["name", "age"], "additionalProperties": False}
+
+
+def is_person(v, name_chars: str) -> bool:
+    """Whether the parsed JSON ``v`` is what person_schema(name_chars) allows (checked without xgrammar)."""
+    return (isinstance(v, dict) and {"name", "age"} <= set(v) <= {"name", "age", "pet"}
+            and isinstance(v["name"], str) and re.fullmatch(f"[{name_chars}]{{1,6}}", v["name"]) is not None
+            and type(v["age"]) is int and 0 <= v["age"] <= 120 and v.get("pet") in ("cat", "dog", None))
+
+
+NAME_CHARS = "a-z "
+PERSON = person_schema(NAME_CHARS)
 REGEX = r"(yes|no)-[0-9]{2,4}"
 CHOICES = ["red", "green", 'say "hi"\\', "grün"]
 GRAMMAR = 'root ::= "(" num (("+" | "*") num)* ")"\nnum ::= [1-9] [0-9]?'
 
 
-def valid(c: Constraint, text: str) -> bool:
-    """Whether ``text`` satisfies ``c`` (checked here without xgrammar)."""
+def satisfies(c: Constraint, text: str, name_chars: str, grammar_re: str) -> bool:
+    """Whether ``text`` satisfies ``c``, checked without xgrammar: a "json" constraint is person_schema(name_chars),
+    a grammar's texts are those ``grammar_re`` matches."""
     if c.kind in ("json", "json_object"):
         try:
             v = json.loads(text)
         except ValueError:
             return False
-        if c.kind == "json_object":
-            return isinstance(v, dict)
-        return (isinstance(v, dict) and set(v) <= {"name", "age", "pet"} and {"name", "age"} <= set(v)
-                and isinstance(v["name"], str) and re.fullmatch("[a-z ]{1,6}", v["name"]) and type(v["age"]) is int
-                and 0 <= v["age"] <= 120 and v.get("pet", None) in ("cat", "dog", None))
+        return isinstance(v, dict) if c.kind == "json_object" else is_person(v, name_chars)
     if c.kind == "regex":
         return re.fullmatch(c.spec, text) is not None
     if c.kind == "choice":
         return text in json.loads(c.spec)
-    return re.fullmatch(r"\((?:[1-9][0-9]?[+*])*[1-9][0-9]?\)", text) is not None
+    return re.fullmatch(grammar_re, text) is not None
+
+
+def valid(c: Constraint, text: str) -> bool:
+    return satisfies(c, text, NAME_CHARS, r"\((?:[1-9][0-9]?[+*])*[1-9][0-9]?\)")  # GRAMMAR's texts
 
 
 CONSTRAINTS = [Constraint("json", json.dumps(PERSON), any_whitespace=False), Constraint("json_object", any_whitespace=False),

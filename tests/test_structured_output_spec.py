@@ -13,7 +13,6 @@ The checkpoint is v3-tiny at two layers with its MTP layer (conftest.v3_tiny_two
 std 0.1 from a fresh seed (the module fixture prints it)."""
 
 import json
-import re
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from moejax.structured_output import Constraint
 from moejax.tiny.checkpoint import make_random_checkpoint
 
 from conftest import v3_tiny_two_layers
+from test_structured_output import REGEX, person_schema, satisfies
 
 pytest.importorskip("xgrammar")
 
@@ -34,11 +34,8 @@ K = 2
 KW = dict(dtype="float32", max_model_len=96, max_num_seqs=8, block_size=16, progress=False)
 SPEC = {"method": "mtp", "num_speculative_tokens": K}
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                           "pet": {"enum": ["cat", "dog", None]}},
-          "required": ["name", "age"], "additionalProperties": False}
-REGEX = r"(yes|no)-[0-9]{2,4}"
+NAME_CHARS = "a-z"
+PERSON = person_schema(NAME_CHARS)
 CHOICES = ["red", "green", "grey", 'say "hi"']
 GRAMMAR = 'root ::= "(" num ("+" num)? ")"\nnum ::= [1-9] [0-9]?'  # bounded: every output ends
 CONSTRAINTS = [Constraint("json", json.dumps(PERSON), any_whitespace=False), Constraint("regex", REGEX),
@@ -46,20 +43,7 @@ CONSTRAINTS = [Constraint("json", json.dumps(PERSON), any_whitespace=False), Con
 
 
 def valid(c: Constraint, text: str) -> bool:
-    """Whether ``text`` satisfies ``c``, checked without xgrammar."""
-    if c.kind == "json":
-        try:
-            v = json.loads(text)
-        except ValueError:
-            return False
-        return (isinstance(v, dict) and {"name", "age"} <= set(v) <= {"name", "age", "pet"}
-                and isinstance(v["name"], str) and re.fullmatch("[a-z]{1,6}", v["name"]) is not None
-                and type(v["age"]) is int and 0 <= v["age"] <= 120 and v.get("pet") in ("cat", "dog", None))
-    if c.kind == "regex":
-        return re.fullmatch(c.spec, text) is not None
-    if c.kind == "choice":
-        return text in json.loads(c.spec)
-    return re.fullmatch(r"\([1-9][0-9]?(?:\+[1-9][0-9]?)?\)", text) is not None
+    return satisfies(c, text, NAME_CHARS, r"\([1-9][0-9]?(?:\+[1-9][0-9]?)?\)")  # GRAMMAR's texts
 
 
 @pytest.fixture(scope="module")
