@@ -33,7 +33,9 @@ def select_experts(logits, cfg, correction_bias=None):
         else:
             group_score = grouped.max(-1)
         _, top_groups = jax.lax.top_k(group_score, cfg.topk_group)
-        keep = jnp.zeros_like(group_score, dtype=bool).at[jnp.arange(group_score.shape[0])[:, None], top_groups].set(True)
+        # The chosen groups' mask by comparison, not a scatter (XLA:CPU expands a scatter into a while loop:
+        # ~10% of a tiny MoE step's compile, BENCHMARKS.md 2026-12-07e start-up (CPU)).
+        keep = (top_groups[:, :, None] == jnp.arange(G, dtype=top_groups.dtype)).any(1)
         keep = jnp.repeat(keep, E // G, axis=1)
         choice = jnp.where(keep, choice, -jnp.inf)
     _, idx = jax.lax.top_k(choice, k)

@@ -7,7 +7,7 @@ import sys
 import time
 
 sys.path.insert(0, os.getcwd())
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 import moejax  # noqa: E402
 if os.environ.get("PROBE_PATCH"):
     exec(open(os.environ["PROBE_PATCH"]).read())
@@ -39,4 +39,5 @@ else:
 t3 = time.perf_counter()
 print(f"PIPE={os.environ.get('PIPE', 'inline')} patch={os.environ.get('PROBE_PATCH', '')}: imports+load "
       f"{t1 - t0:.1f} s, precompile_programs {t2 - t1:.1f} s, lower+compile {t3 - t2:.1f} s "
-      f"(compile calls {comp[0]:.1f} s), total {t3 - t0:.1f} s", flush=True)
+      f"(compile calls {comp[0]:.1f} s), total {t3 - t0:.1f} s, CPU {time.process_time() - c0:.1f} s "
+      f"(all threads), load {os.getloadavg()[0]:.2f}", flush=True)
