@@ -90,7 +90,7 @@ def _client_gone(request: web.Request) -> bool:
 
 async def _submit(aengine: AsyncEngine, req: ParsedRequest, prompt_ids: list[int], params, after=None):
     """One sequence; ``after``: the stream of its prompt's first sample, whose cached prompt it shares (an engine
-    whose add_request takes no ``after``, a disaggregated router's, prefills each sample's prompt itself)."""
+    whose add_request takes no ``after`` prefills each sample's prompt itself)."""
     kw = {"after": after} if after is not None and _shares_prompts(aengine) else {}
     try:
         return await aengine.add_request(prompt_ids, params, **kw)

@@ -18,6 +18,11 @@ one its decode continues from. A failed or late pull (502 ``kv_transfer_failed``
 cannot be reached before the decode began re-queues the request: it is prefilled again (its seed is
 fixed here, when the client gives none, so the tokens do not change), up to MAX_ATTEMPTS times.
 
+Several samples of one prompt (n > 1, best_of; app.py passes ``after``, the first sample's stream): the
+others are accepted at once (the prompt was), wait for the first's prefill to answer and go to the same
+prefill worker, whose prefix cache holds the prompt's full blocks then; each computes only the last partial
+block and hands its own rows off (LLMEngine.add_request's ``after`` ordering, the prompt prefilled once).
+
 A worker process that exits (or, for a worker started elsewhere and known by its URL only, fails
 HEALTH_FAILURES health checks in a row) is reported: /health answers 503 naming it, every request
 it held gets a 503 error event, and the router process exits non-zero (lifecycle.py), as a
@@ -135,17 +140,26 @@ class Router:
         if self._session is not None and not self._session.closed:
             await self._session.close()
 
-    async def add_request(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    async def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                          after: RequestStream | None = None) -> RequestStream:
         """Prefills the request (its first try) and returns its stream; ValueError when the prefill worker
-        refuses it (the colocated engine's message), EngineDeadError when a worker is dead."""
+        refuses it (the colocated engine's message), EngineDeadError when a worker is dead. ``after``: an
+        earlier stream of this router with the same prompt (n > 1, best_of): accepted at once, prefilled once
+        ``after``'s prefill answered, on its prefill worker (the prompt's cached blocks shared)."""
         if not self.is_alive:
             raise EngineDeadError(self.error or "the router is not running")
         self._ensure_started()
         if params.seed is None:  # fixed here: a re-queued request is sampled again with the same seed
             params = dataclasses.replace(params, seed=self._rng.getrandbits(32))
-        stream = RequestStream(self, list(prompt_ids), params, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, list(prompt_ids), params, loop)
+        stream.after = after
+        stream.prompt_worker = loop.create_future()  # the prefill worker that answered it (None: none did)
         self._tasks[stream] = task = asyncio.ensure_future(self._serve(stream))
         task.add_done_callback(lambda _t: self._tasks.pop(stream, None))
+        if after is not None:  # no wait: its prompt was accepted with after's (and so the samples' prefills overlap)
+            stream.accepted.set_result(True)
+            return stream
         await asyncio.wait({stream.accepted, task}, return_when=asyncio.FIRST_COMPLETED)
         if not stream.accepted.done():
             stream.accepted.set_exception(EngineDeadError(self.error or "the request could not be started"))
@@ -250,8 +264,17 @@ class Router:
             self.metrics.on_error()
         stream.queue.put_nowait(ev)
 
+    async def _prefill_worker(self, stream: RequestStream) -> WorkerHandle:
+        """A sample with ``after`` waits for its first sample's prefill and goes to the worker that answered it
+        (its prefix cache holds the prompt) while that one lives; any other request to _pick's."""
+        if stream.after is not None:
+            w = await asyncio.shield(stream.after.prompt_worker)  # shielded: an abort cancels this wait only
+            if w is not None and w.check() is None:
+                return w
+        return self._pick(self.prefill)
+
     async def _prefill(self, stream: RequestStream) -> dict:
-        w = self._pick(self.prefill)
+        w = await self._prefill_worker(stream)
         w.inflight += 1
         self._gauges()
         body = {"prompt_ids": stream.prompt_ids, "params": dataclasses.asdict(stream.params)}
@@ -267,6 +290,8 @@ class Router:
             raise _Rejected(data.get("error", {}).get("message", "rejected"))
         if r.status != 200:
             raise WorkerGone(f"{w.name} answered {r.status}: {data.get('error', {}).get('message')}")
+        if not stream.prompt_worker.done():
+            stream.prompt_worker.set_result(w)  # its prompt is in w's prefix cache now: its samples go there
         return data
 
     async def _decode(self, stream: RequestStream, prefilled: dict, first: TokenEvent) -> bool:
@@ -316,6 +341,13 @@ class Router:
 
     async def _serve(self, stream: RequestStream) -> None:
         try:
+            await self._serve_tries(stream)
+        finally:
+            if not stream.prompt_worker.done():
+                stream.prompt_worker.set_result(None)  # never prefilled: its samples go to any worker
+
+    async def _serve_tries(self, stream: RequestStream) -> None:
+        try:
             for attempt in range(self.max_attempts):
                 if attempt:
                     self.num_requeued += 1
@@ -324,6 +356,8 @@ class Router:
                 except _Rejected as e:
                     if not stream.accepted.done():
                         stream.accepted.set_exception(ValueError(str(e)))
+                    else:  # a sample accepted with its first one's prompt (``after``)
+                        self._emit(stream, TokenEvent(error=str(e), status=400))
                     return
                 except WorkerGone:
                     if self.error is not None:
