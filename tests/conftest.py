@@ -37,6 +37,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
     jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="moejax-test-xla-cache-"))
 
+import contextlib  # noqa: E402
 import random  # noqa: E402
 import secrets  # noqa: E402
 
@@ -150,6 +151,41 @@ def random_v3_tiny(tmp_path_factory, name: str, **overrides) -> str:
     print(f"checkpoint seed {seed}")
     return make_random_checkpoint(str(tmp_path_factory.mktemp(name)), preset("v3-tiny", **overrides), seed=seed,
                                   std=0.1)
+
+
+@contextlib.contextmanager
+def serving(model, name: str, **load):
+    """``model`` (a loaded model, or a checkpoint path loaded here in float32 with ``load``'s settings) served
+    as ``name`` by a ServerThread on a free port (``.url``), stopped on the way out: the server of a module
+    fixture (``with serving(path, NAME, max_model_len=128, max_num_seqs=8) as srv: yield srv``)."""
+    import moejax
+    from moejax.server.app import ServerThread
+    if isinstance(model, str):
+        model = moejax.load(model, dtype="float32", progress=False, **load)
+    elif load:
+        raise ValueError(f"serving: load settings {sorted(load)} given with a loaded model")
+    srv = ServerThread(model, model_name=name).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def openai_client(url: str, timeout: float = 120):
+    """The openai client of the server at ``url``; no retries, so a failure shows as it happens."""
+    import openai
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=timeout)
+
+
+def http_get(url: str, timeout: float = 30):
+    """GET ``url``: (status, body), an HTTP error's status and body too (a 503 /health is an answer)."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def rel_err(a, b):

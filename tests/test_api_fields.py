@@ -22,6 +22,7 @@ from moejax.tiny.presets import preset
 from moejax.tokenizer import Tokenizer
 
 import openai  # noqa: E402  (in the test extra)
+from conftest import openai_client, serving  # noqa: E402
 
 NAME = "tiny-fields"
 MAX_LEN = 128
@@ -185,10 +186,8 @@ def test_chat_template_gets_message_fields_and_kwargs(tiny_path):
 
 @pytest.fixture(scope="module")
 def client(tiny_path):
-    model = moejax.load(tiny_path, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=4, progress=False)
-    srv = ServerThread(model, model_name=NAME).start()
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    srv.stop()
+    with serving(tiny_path, NAME, max_model_len=MAX_LEN, max_num_seqs=4) as srv:
+        yield openai_client(srv.url)
 
 
 def test_server_refuses_with_openai_error(client):
@@ -406,7 +405,7 @@ def test_served_chat_template_kwargs_and_generation_config(tiny_path, tmp_path):
     app, _ = make_app(model, NAME, generation_config=str(tmp_path))
     srv = ServerThread(app=app).start()
     try:
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        c = openai_client(srv.url)
         msgs = [{"role": "user", "content": "hi"}]
         plain = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=1)
         shout = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=1,

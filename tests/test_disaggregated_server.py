@@ -17,14 +17,14 @@ import urllib.request
 import numpy as np
 import pytest
 
-import moejax
-from moejax.server.app import ServerThread, free_port
+from moejax.server.app import free_port
 from moejax.server.metrics import parse_metrics
 from moejax.server.router import Router, WorkerGone, WorkerHandle, kv_usage
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
 import openai  # noqa: E402  (in the test extra)
+from conftest import http_get, openai_client, serving  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "tiny-disagg"
@@ -38,18 +38,8 @@ def tiny_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def colocated(tiny_path):
-    model = moejax.load(tiny_path, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=8, progress=False)
-    srv = ServerThread(model, model_name=NAME).start()
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    srv.stop()
-
-
-def _get(url):
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+    with serving(tiny_path, NAME, max_model_len=MAX_LEN, max_num_seqs=8) as srv:
+        yield openai_client(srv.url)
 
 
 def _wait_up(proc, url, what):
@@ -57,7 +47,7 @@ def _wait_up(proc, url, what):
     while True:
         assert proc.poll() is None, f"{what} exited with {proc.returncode}"
         try:
-            if _get(url + "/health")[0] == 200:
+            if http_get(url + "/health")[0] == 200:
                 return
         except OSError:
             pass
@@ -91,7 +81,7 @@ def router(tiny_path):
 
 @pytest.fixture(scope="module")
 def disagg(router):
-    return openai.OpenAI(base_url=router[1] + "/v1", api_key="x", max_retries=0, timeout=120)
+    return openai_client(router[1])
 
 
 def _requests(rng, n=4):
@@ -127,7 +117,7 @@ def test_same_tokens_as_colocated_with_a_failed_transfer(colocated, disagg, rout
         assert got[:3] == want[:3]
         np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-5)
         assert [sorted(t) for t in got[4]] == [sorted(t) for t in want[4]]
-    m = parse_metrics(_get(router[1] + "/metrics")[1].decode())
+    m = parse_metrics(http_get(router[1] + "/metrics")[1].decode())
     assert m["moejax:kv_transfer_failures_total"] == 1
     assert m["moejax:kv_transfer_seconds_count"] == len(reqs) and m["moejax:kv_transfer_bytes_total"] > 0
     assert m["vllm:request_success_total"] == len(reqs)
@@ -163,7 +153,7 @@ def test_dead_worker_reported(router, disagg):
     assert events[-1] == b"[DONE]" and "error" in json.loads(events[-2]), events[-3:]
     deadline = time.monotonic() + 20
     while True:
-        status, body = _get(url + "/health")
+        status, body = http_get(url + "/health")
         if status == 503:
             break
         assert time.monotonic() < deadline, "the dead worker was not reported"

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import moejax
-from moejax.server.app import ServerThread
 
-from conftest import assert_top_logprobs, log_softmax, v3_tiny_two_layers
+from conftest import assert_top_logprobs, log_softmax, serving, v3_tiny_two_layers
 
 NAME = "tiny-echo"
 MAX_LEN = 128
@@ -99,9 +98,8 @@ def test_generate_refuses_bad_prompt_logprobs(model, bad):
 
 @pytest.fixture(scope="module")
 def server(model):
-    srv = ServerThread(model, model_name=NAME).start()
-    yield srv
-    srv.stop()
+    with serving(model, NAME) as srv:
+        yield srv
 
 
 def _post(server, path, body):

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 import moejax
-from moejax.server.app import ServerThread
 from moejax.tiny.checkpoint import make_random_checkpoint
 
-from conftest import log_softmax, v3_tiny_two_layers
+from conftest import log_softmax, serving, v3_tiny_two_layers
 
 NAME = "tiny-lm-eval"
 TASK = "moejax_local_mc"
@@ -30,9 +29,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    srv = ServerThread(model, model_name=NAME).start()
-    yield srv
-    srv.stop()
+    with serving(model, NAME) as srv:
+        yield srv
 
 
 def _task_dir(tmp_path, rng) -> str:

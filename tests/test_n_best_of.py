@@ -10,14 +10,12 @@ import urllib.error
 import urllib.request
 
 import numpy as np
-import openai
 import pytest
 
 import moejax
-from moejax.server.app import ServerThread
 from moejax.tiny.checkpoint import make_random_checkpoint
 
-from conftest import log_softmax, v3_tiny_two_layers
+from conftest import log_softmax, openai_client, serving, v3_tiny_two_layers
 
 NAME = "tiny-n"
 KW = dict(dtype="float32", max_model_len=128, max_num_seqs=8, block_size=16, progress=False)
@@ -87,14 +85,13 @@ def test_generate_refuses_bad_n(model, kw, field):
 
 @pytest.fixture(scope="module")
 def server(path):
-    srv = ServerThread(moejax.load(path, **KW), model_name=NAME).start()
-    yield srv
-    srv.stop()
+    with serving(moejax.load(path, **KW), NAME) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return openai_client(server.url)
 
 
 def test_server_n_choices_match_generate(client, model):

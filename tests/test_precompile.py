@@ -25,6 +25,8 @@ from moejax.server.metrics import parse_metrics
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
+from conftest import http_get
+
 # Small limits keep the program set small (~45 programs) and the test quick on CPU.
 LOAD = dict(dtype="float32", max_model_len=96, max_num_seqs=4, max_prefill_tokens=32, progress=False,
             async_scheduling=True)
@@ -35,14 +37,6 @@ HANDOFF = dict(LOAD, kv_role="both")
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     return make_random_checkpoint(str(tmp_path_factory.mktemp("tiny")), preset("v3-tiny"), seed=7, std=0.1)
-
-
-def _get(url):
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def _complete(url, body):
@@ -109,11 +103,11 @@ def test_precompiled_server_and_handoff_never_compile(tiny_path):
     app, aengine = make_app(model, "tiny", precompile=True)
     srv = ServerThread(app=app).start()
     try:
-        status, body = _get(srv.url + "/health")
+        status, body = http_get(srv.url + "/health")
         if not aengine.ready.is_set():  # still compiling: starting, and requests are turned away
             assert status == 503 and b"starting" in body
         deadline = time.monotonic() + 600
-        while _get(srv.url + "/health")[0] != 200:
+        while http_get(srv.url + "/health")[0] != 200:
             assert time.monotonic() < deadline and aengine.is_alive
             time.sleep(0.2)
         built = compilation.COUNTER.snapshot()[0]
@@ -129,7 +123,7 @@ def test_precompiled_server_and_handoff_never_compile(tiny_path):
             list(ex.map(lambda b: _complete(srv.url, b), bodies))
             hits = [dict(b, prompt=b["prompt"] + [5, 6]) for b in bodies[2:5]]
             list(ex.map(lambda b: _complete(srv.url, b), hits + bodies[:2]))
-        metrics = parse_metrics(_get(srv.url + "/metrics")[1].decode())
+        metrics = parse_metrics(http_get(srv.url + "/metrics")[1].decode())
         assert metrics["moejax:compiles_after_startup_total"] == 0
         assert compilation.COUNTER.snapshot()[0] == built
         assert metrics["moejax:startup_programs"] > 0 and metrics["vllm:prefix_cache_hits_total"] > 0

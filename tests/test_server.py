@@ -26,7 +26,7 @@ from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
 import openai  # noqa: E402  (in the test extra)
-from conftest import assert_top_logprobs, log_softmax  # noqa: E402
+from conftest import assert_top_logprobs, log_softmax, openai_client, serving  # noqa: E402
 
 NAME = "tiny-test"
 MAX_LEN = 256
@@ -43,11 +43,9 @@ def _load(path):
 
 @pytest.fixture(scope="module")
 def server(tiny_path):
-    srv = ServerThread(_load(tiny_path), model_name=NAME).start()
-    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-    c.completions.create(model=NAME, prompt="warm up", max_tokens=4, temperature=0)
-    yield srv
-    srv.stop()
+    with serving(_load(tiny_path), NAME) as srv:
+        openai_client(srv.url).completions.create(model=NAME, prompt="warm up", max_tokens=4, temperature=0)
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +56,7 @@ def ref(tiny_path):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return openai_client(server.url)
 
 
 def _metrics(server):
@@ -486,7 +484,7 @@ def test_health_503_once_engine_dead(ref):
     try:
         with urllib.request.urlopen(srv.url + "/health") as r:
             assert r.status == 200
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        c = openai_client(srv.url, timeout=30)
         with pytest.raises(openai.APIStatusError) as ei:
             c.completions.create(model="dying", prompt="hi", max_tokens=4)
         assert ei.value.status_code == 503

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import moejax
-from moejax.server.app import ServerThread
 
-from conftest import log_softmax
+from conftest import log_softmax, openai_client, serving
 
 NAME = "tiny-echo-stream"
 
@@ -32,9 +31,8 @@ def model(hf_tiny):
 
 @pytest.fixture(scope="module")
 def client(model):
-    srv = ServerThread(model, model_name=NAME).start()
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    srv.stop()
+    with serving(model, NAME) as srv:
+        yield openai_client(srv.url)
 
 
 def test_echo_top_logprobs_hold_the_token(client, model, hf_tiny):

@@ -32,6 +32,8 @@ from moejax.server.protocol import ServingContext
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
+from conftest import serving
+
 NAME = "tiny-faults"
 MAX_LEN = 256
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,10 +51,9 @@ def model(tiny_path):
 
 @pytest.fixture(scope="module")
 def server(model):
-    srv = ServerThread(model, model_name=NAME).start()
-    _post(srv.url, "/v1/completions", {"prompt": "warm", "max_tokens": 3})
-    yield srv
-    srv.stop()
+    with serving(model, NAME) as srv:
+        _post(srv.url, "/v1/completions", {"prompt": "warm", "max_tokens": 3})
+        yield srv
 
 
 # ----- HTTP helpers (urllib: full control over headers and raw bodies) --------------------------

@@ -17,6 +17,8 @@ from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 from moejax.tokenizer import Tokenizer
 
+from conftest import openai_client, serving
+
 pytest.importorskip("xgrammar")  # the test extra installs it; the structured extra for users
 
 VOCAB = 260
@@ -221,12 +223,8 @@ NAME = "tiny-structured"
 
 @pytest.fixture(scope="module")
 def client(tiny_path):
-    import openai
-    from moejax.server.app import ServerThread
-    model = moejax.load(tiny_path, dtype="float32", max_model_len=256, max_num_seqs=8, progress=False)
-    srv = ServerThread(model, model_name=NAME).start()
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
-    srv.stop()
+    with serving(tiny_path, NAME, max_model_len=256, max_num_seqs=8) as srv:
+        yield openai_client(srv.url, timeout=300)
 
 
 NO_WS = {"disable_any_whitespace": True}
