@@ -103,7 +103,8 @@ def test_n_samples_prefill_the_prompt_once(servers):
     """Reference: the colocated server (one process, LLMEngine's ``after``). An n = 3 request of a 48-token
     prompt through the router: the prefill worker computes the prompt once plus each other sample's last
     partial block (48 + 2 x 16 tokens), the colocated engine's own count; the 3 samples' token ids equal the
-    colocated server's for the same seed (sample j with seed + j), each handed off and decoded."""
+    colocated server's for the same seed (sample j with seed + j), each handed off and decoded, plain and
+    streamed."""
     colocated, router, prefill = servers
     rng = np.random.default_rng()
     L = 48
@@ -121,6 +122,20 @@ def test_n_samples_prefill_the_prompt_once(servers):
     assert ids == [c["token_ids"] for c in want["choices"]]
     assert len(ids) == 3 and all(len(t) == 6 for t in ids) and len({tuple(t) for t in ids}) > 1
     assert got["usage"] == want["usage"]
+    assert _streamed(router, body) == _streamed(colocated, body) == ids  # the samples' streams interleaved
+
+
+def _streamed(url, body) -> list[list[int]]:
+    """Each choice's token ids from a streamed request, by choice index."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({"model": NAME, **body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    out = [[] for _ in range(body["n"])]
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    out[c["index"]] += c["token_ids"]
+    return out
 
 
 def test_samples_go_to_the_first_samples_prefill_worker():
