@@ -188,6 +188,44 @@ def http_get(url: str, timeout: float = 30):
         return e.code, e.read()
 
 
+def prefill_then_decode_logits(m, cache, lens, S: int, bs: int, nb: int, *, reverse_tables=False, last_only=False):
+    """One jitted step of model ``m`` over the paged ``cache``: a prefill of len(lens) prompts of ``lens`` tokens
+    (padded to S; the tokens from seed 0, the same at every call), then one decode step of each. Sequence b holds
+    blocks nb*b .. nb*b + nb - 1 of bs slots (``reverse_tables``: in reverse order, non-contiguous pages); a
+    padding token's slot is out of range (dropped). Returns (the prefill's logits, [B, S, V], or with
+    ``last_only`` [B, V] of each last prompt token; the decode step's [B, V]), as jax arrays."""
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.layers.forward_batch import ForwardBatch
+    vocab, num_slots = m.config.model.vocab_size, cache.shape[1]
+    rng = np.random.default_rng(0)
+    B = len(lens)
+    tokens = np.zeros((B, S), np.int32)
+    tables = np.arange(B * nb, dtype=np.int32).reshape(B, nb)
+    if reverse_tables:
+        tables = tables[:, ::-1].copy()
+    slots = np.full((B, S), num_slots, np.int32)
+    for b, n in enumerate(lens):
+        tokens[b, :n] = rng.integers(2, vocab, n)
+        slots[b, :n] = tables[b, np.arange(n) // bs] * bs + np.arange(n) % bs
+    v = {"params": m.params, "routing": m.routing}
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+
+    @jax.jit
+    def step(cache):
+        h, cache = m.module.apply(v, tokens, ForwardBatch.prefill(pos, jnp.asarray(lens, jnp.int32), slots), cache,
+                                  method="prefill")
+        pre = m.module.apply(v, h[jnp.arange(B), lens - 1] if last_only else h, method="logits")
+        nxt = jnp.asarray(tokens[np.arange(B), lens - 1] + 1, jnp.int32) % vocab
+        dslots = jnp.asarray(tables[np.arange(B), lens // bs] * bs + lens % bs, jnp.int32)
+        h, cache = m.module.apply(v, nxt, ForwardBatch.decode(jnp.asarray(lens, jnp.int32), dslots, tables,
+                                                      jnp.asarray(lens + 1, jnp.int32), bs), cache, method="decode")
+        return pre, m.module.apply(v, h, method="logits")
+
+    return step(cache)
+
+
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))

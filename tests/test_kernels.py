@@ -11,11 +11,12 @@ import pytest
 
 from moejax.kernels import common, mfa_decode, mla_decode, moe
 from moejax.kernels.common import kernel_mode
-from moejax.layers.forward_batch import ForwardBatch
 from moejax.kernels.kv_quant import cache_row_dim, dequantize_rows, quantize_rows
 from pallas_kernels import jax_triton_compat
 from pallas_kernels.fused_moe import fused_moe
 from pallas_kernels.paged_decode_attention import paged_decode_attention
+
+from conftest import prefill_then_decode_logits
 
 BF16 = jnp.bfloat16
 
@@ -389,34 +390,11 @@ def _prefill_then_decode(path, kernels, kv_cache_dtype):
                     progress=False, kernels=kernels, kv_cache_dtype=kv_cache_dtype)
     cfg = m.config.model
     dt = cache_storage_dtype(kv_cache_dtype, "bfloat16")
-    num_slots = 16 * bs
-    cache = jnp.zeros((cfg.num_hidden_layers, num_slots, stored_row_dim(cfg.kv_cache_dim, dt)), dt)
-    # Fixed tokens: every call of one test (Pallas, XLA, FP8) must see the same ones, and the fixed
+    cache = jnp.zeros((cfg.num_hidden_layers, 16 * bs, stored_row_dim(cfg.kv_cache_dim, dt)), dt)
+    # Fixed tokens (seed 0): every call of one test (Pallas, XLA, FP8) must see the same ones, and the fixed
     # 3e-2 FP8-vs-bf16 bound of test_model_logits_pallas_vs_xla is known to hold for this draw.
-    rng = np.random.default_rng(0)
-    lens = np.array([3, 9, 21])
-    B, S = len(lens), 24
-    tokens = np.zeros((B, S), np.int32)
-    tables = np.arange(B * nb, dtype=np.int32).reshape(B, nb)[:, ::-1].copy()  # non-contiguous pages
-    slots = np.full((B, S), num_slots, np.int32)  # out of range: dropped
-    for b, n in enumerate(lens):
-        tokens[b, :n] = rng.integers(2, cfg.vocab_size, n)
-        slots[b, :n] = tables[b, np.arange(n) // bs] * bs + np.arange(n) % bs
-    v = {"params": m.params, "routing": m.routing}
-    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-
-    @jax.jit
-    def step(cache):
-        h, cache = m.module.apply(v, tokens, ForwardBatch.prefill(pos, jnp.asarray(lens, jnp.int32), slots), cache,
-                                  method="prefill")
-        pre = m.module.apply(v, h[jnp.arange(B), lens - 1], method="logits")
-        nxt = jnp.asarray(tokens[np.arange(B), lens - 1] + 1, jnp.int32) % cfg.vocab_size
-        dslots = jnp.asarray(tables[np.arange(B), lens // bs] * bs + lens % bs, jnp.int32)
-        h, cache = m.module.apply(v, nxt, ForwardBatch.decode(jnp.asarray(lens, jnp.int32), dslots, tables,
-                                                      jnp.asarray(lens + 1, jnp.int32), bs), cache, method="decode")
-        return pre, m.module.apply(v, h, method="logits")
-
-    return step(cache)
+    return prefill_then_decode_logits(m, cache, np.array([3, 9, 21]), 24, bs, nb, reverse_tables=True,
+                                      last_only=True)
 
 
 def test_model_logits_pallas_vs_xla(tiny_bf16):

@@ -8,13 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import prefill_then_decode_logits, rel_err
 
 import moejax
 from moejax.kernels import moe
 from moejax.kernels.common import kernel_mode, shared_expert_fusion
 from moejax.layers.experts import ExpertWeights, SharedWeights, grouped_expert_mlp
-from moejax.layers.forward_batch import ForwardBatch
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 from pallas_kernels.fused_moe import fused_moe
@@ -126,32 +125,9 @@ def prefill_then_decode(path, kernels="auto", fuse="auto"):
     m = moejax.load(path, dtype="float32", max_model_len=64, max_num_seqs=4, block_size=bs, num_kv_blocks=16,
                     progress=False, kernels=kernels, fuse_shared_experts=fuse)
     cfg = m.config.model
-    num_slots = 16 * bs
-    cache = jnp.zeros((cfg.num_hidden_layers, num_slots, cfg.kv_cache_dim), jnp.float32)
-    rng = np.random.default_rng(0)  # the same tokens for every setting of one test
-    lens = np.array([3, 9, 14])
-    B, S = len(lens), 16
-    tokens = np.zeros((B, S), np.int32)
-    tables = np.arange(B * nb, dtype=np.int32).reshape(B, nb)
-    slots = np.full((B, S), num_slots, np.int32)  # out of range: padding
-    for b, n in enumerate(lens):
-        tokens[b, :n] = rng.integers(2, cfg.vocab_size, n)
-        slots[b, :n] = tables[b, np.arange(n) // bs] * bs + np.arange(n) % bs
-    v = {"params": m.params, "routing": m.routing}
-    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-
-    @jax.jit
-    def step(cache):
-        h, cache = m.module.apply(v, tokens, ForwardBatch.prefill(pos, jnp.asarray(lens, jnp.int32), slots), cache,
-                                  method="prefill")
-        pre = m.module.apply(v, h, method="logits")
-        nxt = jnp.asarray(tokens[np.arange(B), lens - 1] + 1, jnp.int32) % cfg.vocab_size
-        dslots = jnp.asarray(tables[np.arange(B), lens // bs] * bs + lens % bs, jnp.int32)
-        h, cache = m.module.apply(v, nxt, ForwardBatch.decode(jnp.asarray(lens, jnp.int32), dslots, tables,
-                                                      jnp.asarray(lens + 1, jnp.int32), bs), cache, method="decode")
-        return pre, m.module.apply(v, h, method="logits")
-
-    pre, dec = step(cache)
+    cache = jnp.zeros((cfg.num_hidden_layers, 16 * bs, cfg.kv_cache_dim), jnp.float32)
+    lens, S = np.array([3, 9, 14]), 16
+    pre, dec = prefill_then_decode_logits(m, cache, lens, S, bs, nb)  # the same tokens for every setting
     real = np.arange(S)[None, :] < lens[:, None]
     return np.asarray(pre)[real], np.asarray(dec)
 
