@@ -188,6 +188,21 @@ def http_get(url: str, timeout: float = 30):
         return e.code, e.read()
 
 
+def wait_healthy(proc, url: str, what: str, timeout: float = 180) -> None:
+    """Until the server process ``proc`` at ``url`` answers /health 200; fails if it exits or takes longer."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"{what} exited with {proc.returncode}"
+        try:
+            if http_get(url + "/health", timeout=10)[0] == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not start"
+        time.sleep(0.5)
+
+
 def prefill_then_decode_logits(m, cache, lens, S: int, bs: int, nb: int, *, reverse_tables=False, last_only=False):
     """One jitted step of model ``m`` over the paged ``cache``: a prefill of len(lens) prompts of ``lens`` tokens
     (padded to S; the tokens from seed 0, the same at every call), then one decode step of each. Sequence b holds

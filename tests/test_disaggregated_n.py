@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import numpy as np
@@ -24,6 +23,7 @@ from moejax.server.metrics import parse_metrics
 from moejax.server.router import Router, WorkerHandle
 from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
+from conftest import wait_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "tiny-disagg-n"
@@ -34,20 +34,6 @@ BLOCK = 16  # every server's KV block size (the default, passed explicitly: the 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     return make_random_checkpoint(str(tmp_path_factory.mktemp("tiny")), preset("v3-tiny"), seed=7, std=0.1)
-
-
-def _wait_up(proc, url, what):
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, f"{what} exited with {proc.returncode}"
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=10) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"{what} did not start"
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +56,13 @@ def servers(tiny_path):
                                           env=env))
             urls[role] = f"http://127.0.0.1:{port}"
         for role, p in zip(("prefill", "decode"), procs):
-            _wait_up(p, urls[role], f"the {role} worker")
+            wait_healthy(p, urls[role], f"the {role} worker")
         port = free_port()
         procs.append(subprocess.Popen([sys.executable, serve, *common, "--disaggregated", "--prefill-urls",
                                        urls["prefill"], "--decode-urls", urls["decode"], "--port", str(port)],
                                       env=env))
         url = f"http://127.0.0.1:{port}"
-        _wait_up(procs[-1], url, "the router")
+        wait_healthy(procs[-1], url, "the router")
         yield colocated.url, url, urls["prefill"]
     finally:
         for p in reversed(procs):

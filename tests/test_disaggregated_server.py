@@ -24,7 +24,7 @@ from moejax.tiny.checkpoint import make_random_checkpoint
 from moejax.tiny.presets import preset
 
 import openai  # noqa: E402  (in the test extra)
-from conftest import http_get, openai_client, serving  # noqa: E402
+from conftest import http_get, openai_client, serving, wait_healthy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "tiny-disagg"
@@ -42,19 +42,6 @@ def colocated(tiny_path):
         yield openai_client(srv.url)
 
 
-def _wait_up(proc, url, what):
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, f"{what} exited with {proc.returncode}"
-        try:
-            if http_get(url + "/health")[0] == 200:
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"{what} did not start"
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def router(tiny_path):
     """The disaggregated server as processes: (the router's Popen, its URL, the decode worker's Popen). The
@@ -68,10 +55,10 @@ def router(tiny_path):
     decode = subprocess.Popen([sys.executable, serve, *common, "--role", "decode", "--block-size", "8",
                                "--port", str(dport), "--inject-kv-transfer-failures", "1"], env=env)
     durl, url = f"http://127.0.0.1:{dport}", f"http://127.0.0.1:{port}"
-    _wait_up(decode, durl, "the decode worker")
+    wait_healthy(decode, durl, "the decode worker")
     proc = subprocess.Popen([sys.executable, serve, *common, "--disaggregated", "--decode-urls", durl,
                              "--port", str(port)], env=env)
-    _wait_up(proc, url, "the router")
+    wait_healthy(proc, url, "the router")
     yield proc, url, decode
     for p in (proc, decode):
         if p.poll() is None:
