@@ -74,7 +74,7 @@ def build(runner, progress: bool = True, threads: int | None = None) -> dict:
     """Loads or compiles every program of ``runner.precompile_programs()`` and installs it; returns
     {"programs", "seconds"} and, if the whole set came from the executable cache, "loaded"."""
     t0 = time.perf_counter()
-    threads = threads or default_threads()
+    threads = max(1, threads or default_threads())  # 0 or less: one worker, as inline builds were
     cache = ExecutableCache.open(runner.config.args.executable_cache_dir)
     if cache is not None and compilation.exclusive_of_executable_cache():
         log.info("JAX's persistent compilation cache is off in this process: its executables could not be kept "
