@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 
 from moejax.executable_cache import ExecutableCache, PrecompiledFunction, signature_from_json
@@ -95,29 +96,25 @@ def load_set(runner, cache: ExecutableCache, threads: int = 1) -> int:
     if manifest is None:
         return 0
     fns = functions(runner)
-    done = [0]
+    done, missed = [0], threading.Event()
 
     def one(entry):
+        if missed.is_set():  # the set is incomplete: precompile loads or builds program by program
+            return None
         fn = fns.get(entry["fn"])
         t = time.perf_counter()
         got = cache.load(entry["label"], program_depends(runner, entry["label"])) if fn is not None else None
         if got is None or got[1] != signature_from_json(entry["signature"]):
+            missed.set()
             return None
         done[0] += 1  # the count in the log line only
         log.info("loaded %s in %.2f s (%d/%d)", entry["label"], time.perf_counter() - t, done[0], len(manifest))
         return fn, got
 
-    if threads <= 1:
-        loaded = []
-        for entry in manifest:  # stops at the first miss
-            if (got := one(entry)) is None:
-                return 0
-            loaded.append(got)
-    else:
-        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="moejax-load") as pool:
-            loaded = list(pool.map(one, manifest))
-        if any(got is None for got in loaded):
-            return 0
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="moejax-load") as pool:
+        loaded = list(pool.map(one, manifest))
+    if missed.is_set():
+        return 0
     for fn, (compiled, sig) in loaded:
         fn.install(sig, compiled)
     return len(loaded)
