@@ -58,7 +58,8 @@ import moejax.layers.mla as mla_mod  # noqa: E402
 from moejax.benchmark.decode_setup import add_engine_flags, bench_hf_config, engine_settings, weight_kw  # noqa: E402
 from moejax.benchmark.roofline import measure_matmul_rate, time_call  # noqa: E402
 from moejax.config import EngineConfig  # noqa: E402
-from moejax.engine.model_runner import next_pow2, packed_bucket  # noqa: E402
+from moejax.engine.model_runner import packed_bucket  # noqa: E402
+from moejax.kernels.common import pow2  # noqa: E402
 from moejax.kernels import prefill  # noqa: E402
 from moejax.kernels.common import kernel_mode  # noqa: E402
 from moejax.layers.forward_batch import ForwardBatch  # noqa: E402
@@ -246,7 +247,7 @@ def run_mixed(m, cfg, lens: list[int], dtype, iters: int, warmup: int) -> dict:
     n = sum(lens)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, cfg.vocab_size, k) for k in lens]
-    T, S = packed_bucket(n), next_pow2(max(lens), 16)
+    T, S = packed_bucket(n), pow2(max(lens), 16)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     layouts = {}
     tokens = np.zeros(T, np.int32)

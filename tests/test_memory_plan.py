@@ -8,7 +8,7 @@ import pytest
 
 from moejax.config import EngineConfig
 from moejax.engine import model_runner
-from moejax.engine.buckets import next_pow2
+from moejax.kernels.common import pow2
 from moejax.engine.sample_controls import HISTORY_DTYPE, history_bytes, history_shapes
 from moejax.kernels.kv_quant import cache_array_dtype, cache_row_dim
 from moejax.layers.sampler import RECENT
@@ -44,8 +44,8 @@ def test_plan_shrinks_by_the_history(monkeypatch):
                  * cache_array_dtype("auto", "float32", conf.kernels).itemsize)
     budget = (int(conf.cache.gpu_memory_utilization * limit) - stats["bytes_in_use"]
               - model_runner.STEP_RESERVE_BYTES)
-    h = history_bytes(next_pow2(seqs), cfg.vocab_size)
-    assert h == next_pow2(seqs) * (cfg.vocab_size + RECENT) * 4 and h > per_block
+    h = history_bytes(pow2(seqs), cfg.vocab_size)
+    assert h == pow2(seqs) * (cfg.vocab_size + RECENT) * 4 and h > per_block
     assert _blocks(monkeypatch, conf, stats, lambda rows, vocab: 0) == budget // per_block, seed
     assert _blocks(monkeypatch, conf, stats, history_bytes) == (budget - h) // per_block, seed
 

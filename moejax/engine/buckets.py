@@ -41,20 +41,16 @@ COMPILE_BOUND_WIDTH_STEP = 4  # compile_bound: the longest width and 1/4 of it
 COMPILE_BOUND_CHUNK_STEP = 4  # compile_bound: paged chunk lengths 16, 64, 256, ... and the longest
 
 
-# The one power-of-two rounding (kernels/common.py's pow2), under the name the engine's callers import.
-next_pow2 = pow2
-
-
 def token_bucket(n: int) -> int:
     """Tokens of a prefill stream of n: a power of two up to 128 (16 at least), then 1.5 x 2^k or 2^(k+1)."""
-    p = next_pow2(n, 16)
+    p = pow2(n, 16)
     if p <= 128:
         return p
     return p * 3 // 4 if n <= p * 3 // 4 else p
 
 
 def powers_of_two(hi: int, lo: int = 1) -> list[int]:
-    out, v = [], next_pow2(lo)
+    out, v = [], pow2(lo)
     while v <= hi:
         out.append(v)
         v *= 2
@@ -68,14 +64,14 @@ class Buckets:
         (moejax/kernels/decode_tables.py): then several widths, else the longest only. max_chunk: the
         longest chunk a paged prefill takes (max_model_len: one sequence's tokens; default
         max_prefill_tokens). compile_bound: fewer shapes (the module docstring)."""
-        self.max_decode_batch = next_pow2(max_num_seqs)
-        self.max_width = next_pow2(max_blocks_per_seq)
+        self.max_decode_batch = pow2(max_num_seqs)
+        self.max_width = pow2(max_blocks_per_seq)
         self.max_prefill_seqs = min(MAX_PREFILL_SEQS, self.max_decode_batch)
         self.max_tokens = token_bucket(max_prefill_tokens)
         self.prefill_tokens = max_prefill_tokens
         self.max_chunk = min(max_prefill_tokens, max_chunk or max_prefill_tokens)
         self.compile_bound = compile_bound
-        top = next_pow2(self.max_chunk, 16)
+        top = pow2(self.max_chunk, 16)
         self.paged_lens = [S for S in powers_of_two(top, 16)
                            if not compile_bound or S == top or (S // 16).bit_length() % 2 == 1]
         widths = powers_of_two(self.max_width)
@@ -85,7 +81,7 @@ class Buckets:
 
     # ----- decode
     def decode_batch(self, n: int) -> int:
-        return min(next_pow2(n), self.max_decode_batch)
+        return min(pow2(n), self.max_decode_batch)
 
     def decode_width(self, blocks: int) -> int:
         return next(w for w in self.decode_widths if w >= min(blocks, self.max_width))
@@ -97,7 +93,7 @@ class Buckets:
     def packed(self, tokens: int) -> tuple[int, int]:
         """(T, B): stream tokens and prompt rows of a packed prefill whose longest rank has ``tokens``."""
         T = token_bucket(tokens)
-        return T, min(next_pow2(T), self.max_prefill_seqs)
+        return T, min(pow2(T), self.max_prefill_seqs)
 
     def packed_shapes(self) -> list[tuple[int, int]]:
         sizes = sorted({token_bucket(n) for n in [*powers_of_two(self.max_tokens),
@@ -110,7 +106,7 @@ class Buckets:
         return next(S for S in self.paged_lens if S >= min(longest_chunk, self.paged_lens[-1]))
 
     def wide_batch(self, S: int) -> int:
-        return max(1, min(self.max_prefill_seqs, next_pow2(self.prefill_tokens) // S))
+        return max(1, min(self.max_prefill_seqs, pow2(self.prefill_tokens) // S))
 
     def paged(self, chunks: int, S: int) -> int:
         """B rows for ``chunks`` chunks of at most S tokens (chunks <= wide_batch(S))."""

@@ -32,12 +32,13 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from moejax.kernels import decode_tables
+from moejax.kernels.common import pow2
 from moejax.config import EngineConfig
 from moejax.executable_cache import PrecompiledFunction
 from moejax.engine.precompile import build as build_precompiled
 from moejax.engine import prompt_logprobs
 from moejax.engine.kv_handoff import check_role, role_does
-from moejax.engine.buckets import Buckets, next_pow2, powers_of_two, token_bucket
+from moejax.engine.buckets import Buckets, powers_of_two, token_bucket
 from moejax.engine.sequence import Sequence
 from moejax.engine.proposer import Proposer
 from moejax.engine.sample_controls import ControlState, history_bytes
@@ -73,7 +74,7 @@ def default_num_blocks(config: EngineConfig) -> int:
     if "bytes_limit" in stats:
         # the sampling controls' History (rows: Buckets.max_decode_batch) is allocated after the cache
         budget = (int(cache.gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
-                  - STEP_RESERVE_BYTES - history_bytes(next_pow2(sched.max_num_seqs), cfg.vocab_size))
+                  - STEP_RESERVE_BYTES - history_bytes(pow2(sched.max_num_seqs), cfg.vocab_size))
     else:
         budget = HOST_CACHE_BYTES  # host memory: keep the cache modest
     # Every process must size its cache the same (the engine is the same everywhere): the smallest.
@@ -384,7 +385,7 @@ class ModelRunner:
         """The cache-row export (a prefill side) and import (a decode side) of each rows bucket, as the
         engine's kv_role has them (kv_handoff.check_role refuses the others): none without disaggregation."""
         role, rows = self.config.args.kv_role, []
-        for P in powers_of_two(next_pow2(self.max_model_len, 16), 16):
+        for P in powers_of_two(pow2(self.max_model_len, 16), 16):
             slots = np.zeros(P, np.int32)
             if role_does(role, "export"):
                 rows.append(Program(f"export_rows P={P}", self._export, (self.cache, np.int32(0), slots)))
@@ -519,7 +520,7 @@ class ModelRunner:
     @staticmethod
     def rows_bucket(n: int) -> int:
         """Rows moved for n tokens: a power of two (16 at least), so export/import compile once per bucket."""
-        return next_pow2(n, 16)
+        return pow2(n, 16)
 
     @property
     def row_dtype(self):
