@@ -59,12 +59,12 @@ def _online_softmax(n_tiles, body, BH: int, C: int, o_ref, lse_ref):
 
 
 def _load_rows(cache_ref, layer: int, rows, start: int, width: int, valid, fp8: bool, cdt, interpret: bool):
-    """Cache rows ``rows`` (a slice or a vector of slots), columns [start, start + width), zero where
-    ``valid`` [rows] is False, in the compute dtype."""
+    """Cache rows ``rows`` (a slice or a vector of slots), columns [start, start + width), in the compute
+    dtype: zero where ``valid`` [rows] is False, except FP8 rows, read as they are (below)."""
     # FP8: a plain load, no mask and no select (Triton cannot fill FP8 with a zero "other", and a select
-    # after the load kept the tile in registers). The callers index only rows that hold finite values
-    # (a gather clamps its slots to the sequence's own tokens; a page tile reads whole allocated pages of
-    # the zero-initialised cache), and the rows past the length get probability 0, so their values add 0.
+    # after the load kept the tile in registers). The callers index only rows of the sequence's own pages
+    # (a gather clamps its slots to its last token, a page tile to its last page: finite values), and the
+    # rows past the length get probability 0 and scale 0, so they add 0.
     if fp8:
         return cache_ref[layer, rows, pl.ds(start, width)].astype(cdt)
     # Gathered rows in the interpreter: a select after the load (it has no masked gather).
