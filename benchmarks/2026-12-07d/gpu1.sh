@@ -20,28 +20,24 @@ run mla16 150 python3 scripts/bench_kernels.py --only mla --batch 64 256 --conte
 run mla128 330 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv fp8 bf16 --sweep --sweep-kv fp8 bf16 --grid "$G128"
 run pytest 100 env JAX_PLATFORMS=cuda python3 -m pytest -q -n0 -p no:cacheprovider -o addopts="" tests/test_kernels.py -k "mla_decode_matches or mfa_decode_kernel or xla_path_reads"
 fi
-# b: a cached restart with the executable set loaded in a thread pool (8: the compile threads) against one by
-#    one (MOEJAX_COMPILE_THREADS=1), V2-Lite (RANDOM weights) at a smaller set than the c1024 one (--max-num-seqs
-#    64, --max-prefill-tokens 2048) so the cold start that fills the caches fits the call; then MLA 16 heads
-#    FP8 as now selected (Pallas gather) against Triton.
+# b, c: a cached restart with the executable set loaded in a thread pool (8: the compile threads) against one
+#    by one (MOEJAX_COMPILE_THREADS=1), V2-Lite (RANDOM weights) at a smaller set than the c1024 one so the
+#    cold start that fills the caches fits the call: b at --max-num-seqs 64 / --max-prefill-tokens 2048 (then
+#    MLA 16 heads FP8 as now selected, Pallas gather, against Triton), c at 16 / 1024 / --max-model-len 1024.
+restarts() {  # cold-start timeout, cached timeout, server flags
+  local tc=$1 tw=$2; shift 2
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../.whl/*.whl >> $R/pip.txt 2>&1
+  export PYTHONPATH=/tmp/site:$PWD XLA_FLAGS=--xla_disable_hlo_passes=rematerialization
+  run start_pool $((tc + 30)) python3 scripts/bench_startup.py --runs 2 --cache-dir /tmp/bs --log-dir $R/bs_pool --json $R/bs_pool.json --timeout $tc -- "$@"
+  run start_serial $((tw + 5)) env MOEJAX_COMPILE_THREADS=1 python3 scripts/bench_startup.py --runs 1 --cache-dir /tmp/bs --log-dir $R/bs_serial --json $R/bs_serial.json --timeout $tw -- "$@"
+}
+V2="--model deepseek-v2-lite --load-format dummy --kv-cache-dtype fp8"
 if [ "$PH" = b ]; then
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../.whl/*.whl >> $R/pip.txt 2>&1
-export PYTHONPATH=/tmp/site:$PWD XLA_FLAGS=--xla_disable_hlo_passes=rematerialization
-S="--model deepseek-v2-lite --load-format dummy --max-num-seqs 64 --max-model-len 2176 --max-prefill-tokens 2048 --kv-cache-dtype fp8"
-run start_pool 330 python3 scripts/bench_startup.py --runs 2 --cache-dir /tmp/bs --log-dir $R/bs_pool --json $R/bs_pool.json --timeout 300 -- $S
-run start_serial 100 env MOEJAX_COMPILE_THREADS=1 python3 scripts/bench_startup.py --runs 1 --cache-dir /tmp/bs --log-dir $R/bs_serial --json $R/bs_serial.json --timeout 90 -- $S
+restarts 300 90 $V2 --max-num-seqs 64 --max-model-len 2176 --max-prefill-tokens 2048
 run mla16 60 python3 scripts/bench_kernels.py --only mla --batch 64 256 --context 2048 --heads 16 --kv fp8
 run mla16_tri 60 env MOEJAX_MLA_KERNEL=triton python3 scripts/bench_kernels.py --only mla --batch 64 256 --context 2048 --heads 16 --kv fp8
 fi
-# c: phase b's restart comparison at a still smaller set (--max-num-seqs 16, --max-prefill-tokens 1024,
-#    --max-model-len 1024), the pooled restart first.
-if [ "$PH" = c ]; then
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../.whl/*.whl >> $R/pip.txt 2>&1
-export PYTHONPATH=/tmp/site:$PWD XLA_FLAGS=--xla_disable_hlo_passes=rematerialization
-S="--model deepseek-v2-lite --load-format dummy --max-num-seqs 16 --max-model-len 1024 --max-prefill-tokens 1024 --kv-cache-dtype fp8"
-run start_pool 200 python3 scripts/bench_startup.py --runs 2 --cache-dir /tmp/bs --log-dir $R/bs_pool --json $R/bs_pool.json --timeout 180 -- $S
-run start_serial 60 env MOEJAX_COMPILE_THREADS=1 python3 scripts/bench_startup.py --runs 1 --cache-dir /tmp/bs --log-dir $R/bs_serial --json $R/bs_serial.json --timeout 55 -- $S
-fi
+[ "$PH" = c ] && restarts 180 55 $V2 --max-num-seqs 16 --max-model-len 1024 --max-prefill-tokens 1024
 # d: where a cold start's time goes: the V2-Lite decode program (B=256, FP8 KV) built again at 2 and 4 layers
 #    with the kernels (auto) and without (xla): trace + lower and XLA seconds, its custom calls (per layer
 #    cost = the difference; the kernels' share = auto - xla).
