@@ -38,6 +38,7 @@ from pallas_kernels.fused_moe import fused_moe  # noqa: E402
 from pallas_kernels.jax_triton_compat import available as triton_available  # noqa: E402
 from pallas_kernels.triton_block_fp8 import fused_moe_triton  # noqa: E402
 from pallas_kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
+from pallas_kernels.mgpu_mla_decode import mgpu_mla_decode  # noqa: E402
 from pallas_kernels.triton_mla_decode import triton_mla_decode  # noqa: E402
 
 BF16 = jnp.bfloat16
@@ -209,14 +210,15 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
         with kernel_mode("pallas"):
             ch = mla_decode.plan(B, H, C, R, nb * bs, bs, cache.dtype)
             base = {"pallas": paged_decode.params(B, H, nb * bs, bs, cache.dtype),
-                    "triton": mla_decode.triton_params(B, H, nb * bs, kv == "fp8")}
+                    "triton": mla_decode.triton_params(B, H, nb * bs, kv == "fp8"),
+                    "mgpu": dict(block_t=48, num_stages=2, num_splits=1)}
         sel = dict(ch.params, kernel=ch.path)
         configs = [sel] + ([dict(base[g.get("kernel", "pallas")], **g) for g in expand(grid or MLA_GRID)]
                            if sweep and kv in kvs_sweep else [])
         for i, c in enumerate(configs):
             c = dict(c)
             kname = c.pop("kernel", "pallas")
-            fn = triton_mla_decode if kname == "triton" else paged_decode_attention
+            fn = {"triton": triton_mla_decode, "mgpu": mgpu_mla_decode}.get(kname, paged_decode_attention)
             f = jax.jit(functools.partial(fn, block_size=bs, scale=MLA_SCALE, layer=0, **c, interpret=interpret))
             try:
                 t_p = bench(f, ql, qr, cache, bt, lens)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU calls (2026-12-07f). From gpusnap/ (a snapshot of HEAD): bash benchmarks/2026-12-07f/gpu1.sh PHASE
+set -u
+PH=${1:-a}
+R=/tmp/r; mkdir -p $R; OUT0=$OUT
+pack() { tar czf $OUT0/r.tgz -C /tmp r; }
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv > $R/gpu.txt
+python3 -m pip install --no-deps ../.whl/jax_triton-0.3.1-py3-none-any.whl > $R/pip.txt 2>&1
+export PYTHONPATH=$PWD MOEJAX_PALLAS_INTERPRET=0 PYTHONUNBUFFERED=1
+run() { local name=$1 t=$2; shift 2; local s=$SECONDS; timeout $t "$@" > $R/$name.txt 2>&1; echo "$name rc=$? $((SECONDS-s))s" | tee -a $R/log.txt; pack; }
+# a: Mosaic GPU's API on the device's jax and its FA3 example's rate; where a V2-Lite decode program's cold
+#    build goes (2 and 4 layers, kernels auto vs xla: per-layer cost and the kernels' share).
+if [ "$PH" = a ]; then
+run probe 120 python3 benchmarks/2026-12-07f/mgpu_probe.py
+for LK in 2:auto 2:xla 4:auto; do L=${LK%:*}; K=${LK#*:}
+run compile_${L}_$K 130 python3 scripts/bench_decode.py --preset deepseek-v2-lite --layers $L --concurrency 256 --input-len 2000 --output-len 16 --steps 3 --warmup 1 --fill random --kv-dtype fp8 --kernels $K --compile-time
+done
+fi
+# b: the Mosaic GPU MLA kernel: its tests compiled on the card, then 128 heads x 197 / 512 x 2048 bf16
+#    against the selected kernel (Pallas), Triton and XLA in one run.
+GM='[{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[48],"num_stages":[2]},{"kernel":["mgpu"],"block_t":[32],"num_stages":[2,3]}]'
+if [ "$PH" = b ]; then
+run pytest 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -n0 -p no:cacheprovider -o addopts="" tests/test_mgpu_mla_decode.py
+run mla128 240 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv bf16 --sweep --sweep-kv bf16 --grid "$GM"
+fi

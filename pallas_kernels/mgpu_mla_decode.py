@@ -1,0 +1,289 @@
+"""Absorbed-MLA decode attention over the paged latent cache for Hopper, in Pallas on Mosaic GPU
+(TMA copies, wgmma, warp specialisation): DeepSeek-V3's 128 heads, where decode attention is
+compute-bound and the Triton / Pallas-Triton kernels stopped at about half of the floor.
+
+Same contract as ``triton_mla_decode`` (flash-decoding: the context cut into splits, combined by
+``combine_splits``). A CTA takes 64 heads of one sequence and one split, in three warpgroups:
+
+- a memory warpgroup TMA-copies each tile of ``block_t`` tokens (whole pages of the block table, the
+  page ids read as scalars) into ``num_stages`` shared-memory slots: the latent's two halves and the
+  rope key, three buffers;
+- two compute warpgroups each own one half of the 512 latent columns: warpgroup 0 the first half and
+  the rope part, warpgroup 1 the second half. Each computes its partial scores q.k over its columns
+  (the contraction split 320 / 256), the two swap partials through shared memory and add them (the
+  same sum on both: float addition commutes), run the same online softmax, and accumulate p.v into
+  their own half of the [64, 512] context (128 float32 registers a thread; the whole context in one
+  warpgroup would not fit the register file). Each warpgroup reads only its own columns of a tile.
+
+Shared memory at 48 tokens a tile, 2 slots: q 72 KB + tiles 108 KB + the partials' exchange 32 KB.
+Exactness: against float64 NumPy in Mosaic GPU's interpreter on CPU and on the device
+(tests/test_mgpu_mla_decode.py). bf16 cache only; CUDA (sm_90) only: ROCm keeps the Triton route.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+LOG2E = 1.4426950408889634
+HEADS = 64  # heads a CTA: one wgmma M tile a compute warpgroup
+
+
+def available() -> tuple[bool, str]:
+    """(usable, why not): Mosaic GPU's Pallas module importable (it ships with jaxlib's CUDA build)."""
+    try:
+        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the jaxlib build
+        return False, f"jax.experimental.pallas.mosaic_gpu: {e}"
+    return True, ""
+
+
+def check_shapes(heads: int, latent: int, rope: int, block_t: int, block_size: int, cache_dtype, q_dtype):
+    """The shapes this kernel takes, else a ValueError naming the one it cannot."""
+    if heads % HEADS:
+        raise ValueError(f"heads: the Mosaic GPU MLA kernel takes multiples of {HEADS}, got {heads}")
+    if latent % 128:
+        raise ValueError(f"latent dim: must be a multiple of 128 (two halves of 64-column tiles), got {latent}")
+    if rope % 64:
+        raise ValueError(f"rope dim: must be a multiple of 64, got {rope}")
+    if block_t % 16 or block_t % block_size or not 16 <= block_t <= 64:
+        raise ValueError(f"block_t: a multiple of 16 and of block_size {block_size} in [16, 64], got {block_t}")
+    if jnp.dtype(cache_dtype) != jnp.dtype(jnp.bfloat16):
+        raise ValueError(f"cache dtype: the Mosaic GPU MLA kernel reads bf16 caches, got {jnp.dtype(cache_dtype)}")
+    if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"q dtype: bf16 or float32, got {jnp.dtype(q_dtype)}")
+
+
+def _interpret_params(interpret):
+    if not interpret:
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return interpret if isinstance(interpret, InterpretGPUParams) else InterpretGPUParams()
+
+
+def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_size: int, scale: float,
+                    layer: int | None = None, block_t: int = 48, num_stages: int = 2, num_splits: int = 1,
+                    out_dtype=None, interpret=None):
+    """q_latent [B, H, C], q_rope [B, H, R], cache [num_slots, C+R] bf16 (or [L, num_slots, D] with
+    ``layer``), block_tables [B, nb], seq_lens [B] (>= 1) -> context latents [B, H, C] in ``out_dtype``
+    (float32 by default), as ``triton_mla_decode`` for one query row a sequence."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from pallas_kernels.paged_decode_attention import combine_splits
+
+    B, H, C = q_latent.shape
+    R = q_rope.shape[-1]
+    if q_rope.shape[:2] != (B, H):
+        raise ValueError(f"q_rope: expected [B={B}, H={H}, R], got {q_rope.shape}")
+    if seq_lens.shape != (B,):
+        raise ValueError(f"seq_lens: expected [{B}], got {seq_lens.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"block_tables: expected [B={B}, nb], got {block_tables.shape}")
+    if cache.ndim == 2:
+        cache, layer = cache[None], 0
+    if layer is None:
+        raise ValueError("layer: a [L, slots, D] cache needs the layer index")
+    check_shapes(H, C, R, block_t, block_size, cache.dtype, q_latent.dtype)
+    L, slots, D = cache.shape
+    if D < C + R:
+        raise ValueError(f"cache: rows of {D} cannot hold latent {C} + rope {R}")
+    if slots % block_size:
+        raise ValueError(f"cache: {slots} slots are not whole blocks of {block_size}")
+    if not 0 <= layer < L:
+        raise ValueError(f"layer: {layer} is outside the cache's {L} layers")
+    if num_stages < 2:
+        raise ValueError(f"num_stages: at least 2, got {num_stages}")
+    nb = block_tables.shape[1]
+    out_dtype = jnp.dtype(out_dtype or jnp.float32)
+    max_len = nb * block_size
+    split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_t) * block_t
+    num_splits = pl.cdiv(max_len, split_len)
+    Ch = C // 2
+    bt, bs, S = block_t, block_size, num_splits
+    pages_a_tile = bt // bs
+    dt = jnp.bfloat16
+    # Staged in the query's buffer (bf16, one TMA store) when there is one split and a bf16 result, else in
+    # float32 through the exchange buffers, 64 columns at a time.
+    stage_bf16 = S == 1 and out_dtype == jnp.dtype(jnp.bfloat16)
+    o_dtype = jnp.bfloat16 if stage_bf16 else jnp.float32
+    qk_scale = float(scale) * LOG2E
+    interp = bool(interpret)
+    cache4 = cache.reshape(L, slots // bs, bs, D)
+
+    def body(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, scoped):
+        (q_lo, q_hi, q_rp, k_lo, k_hi, k_rp, xch, lse_smem), (q_bar, k_bar, k_free, x_full, x_free) = scoped
+        b = lax.axis_index("b")
+        s = lax.axis_index("s")
+        h0 = lax.axis_index("h") * HEADS
+        wg = lax.axis_index("wg")
+        length = len_ref[b]
+        start = s * split_len
+        end = jnp.minimum(length, start + split_len)
+        n_tiles = jnp.maximum(end - start + (bt - 1), 0) // bt
+        last_page = (length - 1) // bs
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            heads = pl.ds(h0, HEADS)
+            plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, pl.ds(0, Ch)], q_lo, q_bar)
+            plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, pl.ds(Ch, Ch)], q_hi, q_bar)
+            plgpu.copy_gmem_to_smem(qr_ref.at[b, heads], q_rp, q_bar)
+
+            def issue(tile, slot):
+                first = (start + tile * bt) // bs
+                for j in range(pages_a_tile):
+                    # Pages past the sequence's last one: its last page again (finite rows, masked out).
+                    page = bt_ref[b, jnp.minimum(first + j, last_page)]
+                    src = cache_ref.at[layer, page]
+                    rows = pl.ds(j * bs, bs)
+                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(0, Ch)], k_lo.at[slot, rows], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(Ch, Ch)], k_hi.at[slot, rows], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(C, R)], k_rp.at[slot, rows], k_bar.at[slot])
+
+            for i in range(num_stages):
+                pl.when(i < n_tiles)(lambda i=i: issue(i, i))
+
+            @pl.loop(num_stages, jnp.maximum(n_tiles, num_stages))
+            def _refill(tile):
+                slot = lax.rem(tile, num_stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                issue(tile, slot)
+
+        def compute(role: int):
+            plgpu.set_max_registers(232, action="increase")
+            mine, other = xch.at[role], xch.at[1 - role]  # I read mine; the other warpgroup writes it
+            # Every arrival is waited for (the interpreter checks it): mine starts free where there is a tile,
+            # the last tile's reads free nothing, the last num_stages tiles free no slot to refill.
+            pl.when(n_tiles > 0)(lambda: plgpu.barrier_arrive(x_free.at[role]))
+            plgpu.barrier_wait(q_bar)
+            k_half = k_lo if role == 0 else k_hi
+            chunks = Ch // 64
+            f32 = jnp.float32
+            # Register layouts are the compiler's (the interpreter has none).
+            cast = (lambda x, _: x) if interp else plgpu.layout_cast
+            m0 = cast(jnp.full((HEADS,), -1e30, f32), plgpu.Layout.WGMMA.reduce(1))
+            l0 = cast(jnp.zeros((HEADS,), f32), plgpu.Layout.WGMMA.reduce(1))
+            acc0 = tuple(cast(jnp.zeros((HEADS, 64), f32), plgpu.Layout.WGMMA) for _ in range(chunks))
+
+
+            def mma(acc, a, b, a2=None, b2=None):
+                """acc + a @ b (+ a2 @ b2) in float32; with ``acc`` None the scores a @ b.T (+ a2 @ b2.T),
+                b a [tokens, columns] tile. wgmma on the device; in the interpreter (no transposed or
+                register operands there) the same products as jnp.dot of the loaded values."""
+                pairs = [(a, b)] + ([(a2, b2)] if a2 is not None else [])
+                if interp:
+                    val = lambda x: x if isinstance(x, jax.Array) or not hasattr(x, "at") else x[...]  # noqa: E731
+                    out = sum(jnp.dot(val(x).astype(f32), (val(y).T if acc is None else val(y)).astype(f32))
+                              for x, y in pairs)
+                    return out if acc is None else acc + out
+                if acc is None:
+                    def scores(r):
+                        for x, y in pairs:
+                            plgpu.wgmma(r, x, plgpu.transpose_ref(y, (1, 0)))
+                        return r[...]
+                    return pl.run_scoped(scores, plgpu.ACC((HEADS, b.shape[0]), f32))
+                return pl.run_state(lambda r: plgpu.wgmma(r, a, b))(plgpu.ACC.init(acc))
+
+            def tile_step(tile, carry):
+                m, l, accs = carry
+                slot = lax.rem(tile, num_stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                if role == 0:
+                    part = mma(None, q_lo, k_lo.at[slot], q_rp, k_rp.at[slot])
+                else:
+                    part = mma(None, q_hi, k_hi.at[slot])
+                # Swap the partials: mine is read once the other has written it, and written again
+                # only after the other has read it.
+                plgpu.barrier_wait(x_free.at[1 - role])
+                other[:, :bt] = part
+                plgpu.barrier_arrive(x_full.at[1 - role])
+                plgpu.barrier_wait(x_full.at[role])
+                theirs = mine[:, :bt]
+                pl.when(tile + 1 < n_tiles)(lambda: plgpu.barrier_arrive(x_free.at[role]))
+                sc = (part + theirs) if role == 0 else (theirs + part)
+                sc = sc * qk_scale
+                cols = (lax.broadcasted_iota(jnp.int32, (HEADS, bt), 1) if interp else
+                        plgpu.broadcasted_iota(jnp.int32, (HEADS, bt), 1, layout=plgpu.Layout.WGMMA))
+                sc = jnp.where(cols < end - (start + tile * bt), sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dt)
+                new = []
+                for c in range(chunks):
+                    a = accs[c] * lax.broadcast_in_dim(alpha, (HEADS, 64), [0])
+
+                    new.append(mma(a, p16, k_half.at[slot, :, pl.ds(c * 64, 64)]))
+                pl.when(tile + num_stages < n_tiles)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+                return m_new, l, tuple(new)
+
+            m, l, accs = lax.fori_loop(0, n_tiles, tile_step, (m0, l0, acc0))
+            has = l > 0
+            inv = 1.0 / jnp.where(has, l, 1.0)
+            col0 = role * Ch
+            if stage_bf16:
+                q_half = q_lo if role == 0 else q_hi  # this warpgroup's own query half, read for the last time
+                for c in range(chunks):
+                    q_half[:, pl.ds(c * 64, 64)] = (accs[c] * lax.broadcast_in_dim(inv, (HEADS, 64), [0])).astype(dt)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_half, o_ref.at[b, s, pl.ds(h0, HEADS), pl.ds(col0, Ch)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            else:
+                for c in range(chunks):
+                    mine[...] = accs[c] * lax.broadcast_in_dim(inv, (HEADS, 64), [0])
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(mine, o_ref.at[b, s, pl.ds(h0, HEADS), pl.ds(col0 + c * 64, 64)])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if role == 0:
+                lse_smem[...] = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) * (1.0 / LOG2E), -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, s, pl.ds(h0, HEADS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.when(wg == 0)(lambda: compute(0))
+        pl.when(wg == 1)(lambda: compute(1))
+
+    def entry(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref):
+        tiled = lambda dtype: (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),  # noqa: E731
+                               plgpu.SwizzleTransform(128))
+        smem = (
+            plgpu.SMEM((HEADS, Ch), dt, transforms=tiled(dt)),
+            plgpu.SMEM((HEADS, Ch), dt, transforms=tiled(dt)),
+            plgpu.SMEM((HEADS, R), dt, transforms=tiled(dt)),
+            plgpu.SMEM((num_stages, bt, Ch), dt, transforms=tiled(dt)),
+            plgpu.SMEM((num_stages, bt, Ch), dt, transforms=tiled(dt)),
+            plgpu.SMEM((num_stages, bt, R), dt, transforms=tiled(dt)),
+            plgpu.SMEM((2, HEADS, 64), jnp.float32, transforms=tiled(jnp.float32)),
+            plgpu.SMEM((HEADS,), jnp.float32),
+        )
+        barriers = (
+            plgpu.Barrier(num_arrivals=3),
+            plgpu.Barrier(num_arrivals=3 * pages_a_tile, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=2),
+        )
+        pl.run_scoped(lambda *a: body(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, a),
+                      smem, barriers, collective_axes="wg")
+
+    kernel = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((B, S, H, C), o_dtype), jax.ShapeDtypeStruct((B, S, H), jnp.float32)),
+        grid=(H // HEADS, S, B), grid_names=("h", "s", "b"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interpret_params(interpret))
+    o, lse = kernel(q_latent.astype(dt), q_rope.astype(dt), cache4, block_tables.astype(jnp.int32),
+                    seq_lens.astype(jnp.int32))
+    return combine_splits(o, lse, out_dtype)
+
+
+def smem_bytes(latent: int, rope: int, block_t: int, num_stages: int) -> int:
+    """Shared memory the kernel asks for (Hopper's limit is 227 KB a CTA)."""
+    q = HEADS * (latent + rope) * 2
+    tiles = num_stages * block_t * (latent + rope) * 2
+    return q + tiles + 2 * HEADS * 64 * 4 + HEADS * 4
+

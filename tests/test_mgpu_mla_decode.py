@@ -1,0 +1,81 @@
+"""The Mosaic GPU MLA decode kernel (pallas_kernels/mgpu_mla_decode.py) against float64 NumPy attention
+over what the cache holds: on CPU in Mosaic GPU's interpreter (its TMA copies, barriers and the two
+compute warpgroups' exchange simulated; the products there are jnp.dot of the same tiles: the
+interpreter takes no transposed or register wgmma operands), on a Hopper GPU compiled (``pytest
+tests/test_mgpu_mla_decode.py`` on the device machine, DeepSeek-V3's shapes).
+
+Seeds from the per-test seed (conftest; MOEJAX_TEST_SEED replays a failure)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.mgpu_mla_decode import mgpu_mla_decode, smem_bytes
+from test_kernels import BF16, fresh_key_seed, mla_inputs, mla_reference, rel_err, stored_cache
+
+ON_HOPPER = jax.default_backend() == "gpu" and "H100" in jax.devices()[0].device_kind or \
+    jax.default_backend() == "gpu" and "H200" in jax.devices()[0].device_kind
+
+
+def _check(B, H, C, R, block_size, nb, lens, block_t, stages, splits, interpret):
+    values, ql, qr, bt = mla_inputs(fresh_key_seed(), B, H, C, R, block_size, nb)
+    lens = jnp.asarray(lens, jnp.int32)
+    scale = 1.2 / (C + R) ** 0.5
+    cache, stored = stored_cache(values, "bf16", C + R)
+    exact = mla_reference(ql, qr, stored, bt, lens, block_size, scale)
+    kw = dict(block_size=block_size, scale=scale, layer=1, block_t=block_t, num_stages=stages, num_splits=splits,
+              interpret=interpret)
+    got = mgpu_mla_decode(ql, qr, cache, bt, lens, **kw)
+    assert got.shape == (B, H, C) and got.dtype == jnp.float32
+    assert rel_err(got, exact) < 1e-2
+    for b in range(B):  # every sequence right, not only the whole on average
+        assert rel_err(got[b], exact[b]) < 1e-2, b
+    gb = mgpu_mla_decode(ql, qr, cache, bt, lens, out_dtype=BF16, **kw)
+    assert gb.dtype == BF16 and rel_err(gb, exact) < 1e-2
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter run (CPU); the GPU runs the compiled test")
+@pytest.mark.parametrize("lens,block_t,splits", [
+    ([1, 37], 32, 1),    # one token; a ragged last tile; the bf16 result staged in the query's buffer
+    ([64, 21], 16, 3),   # 3 splits (one empty for the short sequence), float32 partials
+])
+def test_interpreter_matches_reference(lens, block_t, splits):
+    _check(B=2, H=64, C=128, R=64, block_size=16, nb=4, lens=lens, block_t=block_t, stages=2, splits=splits,
+           interpret=True)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="compiled for sm_90 (an H100 or H200)")
+@pytest.mark.parametrize("B,H,nb,lens,block_t,stages,splits", [
+    (3, 128, 40, [1, 333, 640], 48, 2, 1),
+    (2, 128, 64, [1024, 77], 32, 3, 4),
+    (4, 64, 16, [256, 16, 17, 255], 48, 2, 2),
+])
+def test_device_matches_reference(B, H, nb, lens, block_t, stages, splits):
+    _check(B=B, H=H, C=512, R=64, block_size=16, nb=nb, lens=lens, block_t=block_t, stages=stages, splits=splits,
+           interpret=False)
+
+
+def test_bad_arguments_name_the_field():
+    q, qr = jnp.ones((1, 64, 128), BF16), jnp.ones((1, 64, 64), BF16)
+    cache = jnp.ones((2, 32, 192), BF16)
+    bt, lens = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
+    kw = dict(block_size=16, scale=0.1, layer=0, interpret=True)
+    with pytest.raises(ValueError, match="heads"):
+        mgpu_mla_decode(q[:, :16], qr[:, :16], cache, bt, lens, **kw)
+    with pytest.raises(ValueError, match="block_t"):
+        mgpu_mla_decode(q, qr, cache, bt, lens, **dict(kw, block_t=40))
+    with pytest.raises(ValueError, match="cache dtype"):
+        mgpu_mla_decode(q, qr, cache.astype(jnp.float8_e4m3fn), bt, lens, **kw)
+    with pytest.raises(ValueError, match="layer"):
+        mgpu_mla_decode(q, qr, cache, bt, lens, **dict(kw, layer=2))
+    with pytest.raises(ValueError, match="q_rope"):
+        mgpu_mla_decode(q, qr[:, :32], cache, bt, lens, **kw)
+
+
+def test_shared_memory_fits_hopper():
+    """The tilings the selection may take fit a CTA's 227 KB (the compiler refuses more)."""
+    assert smem_bytes(512, 64, 48, 2) <= 227 * 1024
+    assert smem_bytes(512, 64, 32, 3) <= 227 * 1024
+    assert smem_bytes(512, 64, 64, 2) > 227 * 1024  # why 64-token tiles are not offered
