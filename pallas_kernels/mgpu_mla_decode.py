@@ -15,7 +15,9 @@ Same contract as ``triton_mla_decode`` (flash-decoding: the context cut into spl
   their own half of the [64, 512] context (128 float32 registers a thread; the whole context in one
   warpgroup would not fit the register file). Each warpgroup reads only its own columns of a tile.
 
-Shared memory at 48 tokens a tile, 2 slots: q 72 KB + tiles 108 KB + the partials' exchange 32 KB.
+Shared memory at 64 tokens a tile, 2 slots: the query's latent 64 KB + tiles 144 KB + the exchange
+16 KB = 224.3 KB of Hopper's 227; the query's rope part is staged through a tile slot into warpgroup 0's
+registers (wgmma takes its left operand from registers), and the partials take turns in one buffer.
 Exactness: against float64 NumPy in Mosaic GPU's interpreter on CPU and on the device
 (tests/test_mgpu_mla_decode.py). bf16 cache only; CUDA (sm_90) only: ROCm keeps the Triton route.
 """
@@ -48,8 +50,10 @@ def check_shapes(heads: int, latent: int, rope: int, block_t: int, block_size: i
         raise ValueError(f"latent dim: must be a multiple of 128 (two halves of 64-column tiles), got {latent}")
     if rope % 64:
         raise ValueError(f"rope dim: must be a multiple of 64, got {rope}")
-    if block_t % 16 or block_t % block_size or not 16 <= block_t <= 64:
-        raise ValueError(f"block_t: a multiple of 16 and of block_size {block_size} in [16, 64], got {block_t}")
+    if block_t != 64 or block_t % block_size:
+        # 64: wgmma's contraction over a tile's tokens takes multiples of 64, and 64 score columns are what
+        # the registers hold beside the context half.
+        raise ValueError(f"block_t: 64 tokens, a multiple of block_size {block_size}; got {block_t}")
     if jnp.dtype(cache_dtype) != jnp.dtype(jnp.bfloat16):
         raise ValueError(f"cache dtype: the Mosaic GPU MLA kernel reads bf16 caches, got {jnp.dtype(cache_dtype)}")
     if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
@@ -64,7 +68,7 @@ def _interpret_params(interpret):
 
 
 def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_size: int, scale: float,
-                    layer: int | None = None, block_t: int = 48, num_stages: int = 2, num_splits: int = 1,
+                    layer: int | None = None, block_t: int = 64, num_stages: int = 2, num_splits: int = 1,
                     out_dtype=None, interpret=None):
     """q_latent [B, H, C], q_rope [B, H, R], cache [num_slots, C+R] bf16 (or [L, num_slots, D] with
     ``layer``), block_tables [B, nb], seq_lens [B] (>= 1) -> context latents [B, H, C] in ``out_dtype``
@@ -113,7 +117,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
     cache4 = cache.reshape(L, slots // bs, bs, D)
 
     def body(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, scoped):
-        (q_lo, q_hi, q_rp, k_lo, k_hi, k_rp, xch, lse_smem), (q_bar, k_bar, k_free, x_full, x_free) = scoped
+        (q_lo, q_hi, k_lo, k_hi, k_rp, xch, lse_smem), (q_bar, k_bar, k_free, x_full, rope_read, x_done) = scoped
         b = lax.axis_index("b")
         s = lax.axis_index("s")
         h0 = lax.axis_index("h") * HEADS
@@ -130,7 +134,8 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             heads = pl.ds(h0, HEADS)
             plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, pl.ds(0, Ch)], q_lo, q_bar)
             plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, pl.ds(Ch, Ch)], q_hi, q_bar)
-            plgpu.copy_gmem_to_smem(qr_ref.at[b, heads], q_rp, q_bar)
+            # The query's rope part passes through tile slot 1's rope buffer into warpgroup 0's registers.
+            plgpu.copy_gmem_to_smem(qr_ref.at[b, heads], k_rp.at[1], q_bar)
 
             def issue(tile, slot):
                 first = (start + tile * bt) // bs
@@ -143,7 +148,9 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                     plgpu.copy_gmem_to_smem(src.at[:, pl.ds(Ch, Ch)], k_hi.at[slot, rows], k_bar.at[slot])
                     plgpu.copy_gmem_to_smem(src.at[:, pl.ds(C, R)], k_rp.at[slot, rows], k_bar.at[slot])
 
-            for i in range(num_stages):
+            pl.when(n_tiles > 0)(lambda: issue(0, 0))
+            plgpu.barrier_wait(rope_read)
+            for i in range(1, num_stages):
                 pl.when(i < n_tiles)(lambda i=i: issue(i, i))
 
             @pl.loop(num_stages, jnp.maximum(n_tiles, num_stages))
@@ -154,20 +161,19 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
 
         def compute(role: int):
             plgpu.set_max_registers(232, action="increase")
-            mine, other = xch.at[role], xch.at[1 - role]  # I read mine; the other warpgroup writes it
-            # Every arrival is waited for (the interpreter checks it): mine starts free where there is a tile,
-            # the last tile's reads free nothing, the last num_stages tiles free no slot to refill.
-            pl.when(n_tiles > 0)(lambda: plgpu.barrier_arrive(x_free.at[role]))
             plgpu.barrier_wait(q_bar)
+            f32 = jnp.float32
+            q_rope = None
+            if role == 0:
+                q_rope = k_rp.at[1][...]
+                plgpu.barrier_arrive(rope_read)
             k_half = k_lo if role == 0 else k_hi
             chunks = Ch // 64
-            f32 = jnp.float32
             # Register layouts are the compiler's (the interpreter has none).
             cast = (lambda x, _: x) if interp else plgpu.layout_cast
             m0 = cast(jnp.full((HEADS,), -1e30, f32), plgpu.Layout.WGMMA.reduce(1))
             l0 = cast(jnp.zeros((HEADS,), f32), plgpu.Layout.WGMMA.reduce(1))
             acc0 = tuple(cast(jnp.zeros((HEADS, 64), f32), plgpu.Layout.WGMMA) for _ in range(chunks))
-
 
             def mma(acc, a, b, a2=None, b2=None):
                 """acc + a @ b (+ a2 @ b2) in float32; with ``acc`` None the scores a @ b.T (+ a2 @ b2.T),
@@ -191,20 +197,22 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                 m, l, accs = carry
                 slot = lax.rem(tile, num_stages)
                 plgpu.barrier_wait(k_bar.at[slot])
-
+                # The partial scores swapped through one buffer, in turn: warpgroup 1 writes its own (its
+                # contraction is the shorter), 0 reads it and writes its own, 1 reads that. The buffer is
+                # written again only after both reads (1 writes the next tile's after its read).
                 if role == 0:
-                    part = mma(None, q_lo, k_lo.at[slot], q_rp, k_rp.at[slot])
+                    part = mma(None, q_lo, k_lo.at[slot], q_rope, k_rp.at[slot])
+                    plgpu.barrier_wait(x_full.at[1])
+                    theirs = xch[...]
+                    xch[...] = part
+                    plgpu.barrier_arrive(x_full.at[0])
+                    sc = part + theirs
                 else:
                     part = mma(None, q_hi, k_hi.at[slot])
-                # Swap the partials: mine is read once the other has written it, and written again
-                # only after the other has read it.
-                plgpu.barrier_wait(x_free.at[1 - role])
-                other[:, :bt] = part
-                plgpu.barrier_arrive(x_full.at[1 - role])
-                plgpu.barrier_wait(x_full.at[role])
-                theirs = mine[:, :bt]
-                pl.when(tile + 1 < n_tiles)(lambda: plgpu.barrier_arrive(x_free.at[role]))
-                sc = (part + theirs) if role == 0 else (theirs + part)
+                    xch[...] = part
+                    plgpu.barrier_arrive(x_full.at[1])
+                    plgpu.barrier_wait(x_full.at[0])
+                    sc = xch[...] + part  # the same sum as warpgroup 0's: float addition commutes
                 sc = sc * qk_scale
                 cols = (lax.broadcasted_iota(jnp.int32, (HEADS, bt), 1) if interp else
                         plgpu.broadcasted_iota(jnp.int32, (HEADS, bt), 1, layout=plgpu.Layout.WGMMA))
@@ -217,8 +225,9 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                 new = []
                 for c in range(chunks):
                     a = accs[c] * lax.broadcast_in_dim(alpha, (HEADS, 64), [0])
-
                     new.append(mma(a, p16, k_half.at[slot, :, pl.ds(c * 64, 64)]))
+                # Every arrival is waited for (the interpreter checks it): the last num_stages tiles free no
+                # slot to refill.
                 pl.when(tile + num_stages < n_tiles)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
                 return m_new, l, tuple(new)
 
@@ -226,19 +235,26 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             has = l > 0
             inv = 1.0 / jnp.where(has, l, 1.0)
             col0 = role * Ch
+            out = [accs[c] * lax.broadcast_in_dim(inv, (HEADS, 64), [0]) for c in range(chunks)]
             if stage_bf16:
                 q_half = q_lo if role == 0 else q_hi  # this warpgroup's own query half, read for the last time
                 for c in range(chunks):
-                    q_half[:, pl.ds(c * 64, 64)] = (accs[c] * lax.broadcast_in_dim(inv, (HEADS, 64), [0])).astype(dt)
+                    q_half[:, pl.ds(c * 64, 64)] = out[c].astype(dt)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_half, o_ref.at[b, s, pl.ds(h0, HEADS), pl.ds(col0, Ch)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            else:
+            else:  # float32 through the exchange buffer, 64 columns at a time: 0's once 1 has read it, then 1's
+                if role == 1:
+                    plgpu.barrier_arrive(x_done.at[0])
+                    plgpu.barrier_wait(x_done.at[1])
+                else:
+                    plgpu.barrier_wait(x_done.at[0])
                 for c in range(chunks):
-                    mine[...] = accs[c] * lax.broadcast_in_dim(inv, (HEADS, 64), [0])
+                    xch[...] = out[c]
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(mine, o_ref.at[b, s, pl.ds(h0, HEADS), pl.ds(col0 + c * 64, 64)])
+                    plgpu.copy_smem_to_gmem(xch, o_ref.at[b, s, pl.ds(h0, HEADS), pl.ds(col0 + c * 64, 64)])
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                if role == 0:
+                    plgpu.barrier_arrive(x_done.at[1])
             if role == 0:
                 lse_smem[...] = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) * (1.0 / LOG2E), -jnp.inf)
                 plgpu.commit_smem()
@@ -254,11 +270,10 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
         smem = (
             plgpu.SMEM((HEADS, Ch), dt, transforms=tiled(dt)),
             plgpu.SMEM((HEADS, Ch), dt, transforms=tiled(dt)),
-            plgpu.SMEM((HEADS, R), dt, transforms=tiled(dt)),
             plgpu.SMEM((num_stages, bt, Ch), dt, transforms=tiled(dt)),
             plgpu.SMEM((num_stages, bt, Ch), dt, transforms=tiled(dt)),
             plgpu.SMEM((num_stages, bt, R), dt, transforms=tiled(dt)),
-            plgpu.SMEM((2, HEADS, 64), jnp.float32, transforms=tiled(jnp.float32)),
+            plgpu.SMEM((HEADS, bt), jnp.float32, transforms=tiled(jnp.float32)),
             plgpu.SMEM((HEADS,), jnp.float32),
         )
         barriers = (
@@ -266,6 +281,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             plgpu.Barrier(num_arrivals=3 * pages_a_tile, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
             plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(),
             plgpu.Barrier(num_barriers=2),
         )
         pl.run_scoped(lambda *a: body(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, a),
@@ -282,8 +298,6 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
 
 
 def smem_bytes(latent: int, rope: int, block_t: int, num_stages: int) -> int:
-    """Shared memory the kernel asks for (Hopper's limit is 227 KB a CTA)."""
-    q = HEADS * (latent + rope) * 2
-    tiles = num_stages * block_t * (latent + rope) * 2
-    return q + tiles + 2 * HEADS * 64 * 4 + HEADS * 4
-
+    """Shared memory the kernel asks for (Hopper's limit: 227 KB a CTA): the query's latent halves (its
+    rope part passes through a tile slot), the tile slots, the exchange buffer and the lse row."""
+    return HEADS * latent * 2 + num_stages * block_t * (latent + rope) * 2 + HEADS * block_t * 4 + HEADS * 4

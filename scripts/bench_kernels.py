@@ -211,7 +211,7 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
             ch = mla_decode.plan(B, H, C, R, nb * bs, bs, cache.dtype)
             base = {"pallas": paged_decode.params(B, H, nb * bs, bs, cache.dtype),
                     "triton": mla_decode.triton_params(B, H, nb * bs, kv == "fp8"),
-                    "mgpu": dict(block_t=48, num_stages=2, num_splits=1)}
+                    "mgpu": dict(block_t=64, num_stages=2, num_splits=1)}
         sel = dict(ch.params, kernel=ch.path)
         configs = [sel] + ([dict(base[g.get("kernel", "pallas")], **g) for g in expand(grid or MLA_GRID)]
                            if sweep and kv in kvs_sweep else [])

@@ -18,7 +18,7 @@ done
 fi
 # b: the Mosaic GPU MLA kernel: its tests compiled on the card, then 128 heads x 197 / 512 x 2048 bf16
 #    against the selected kernel (Pallas), Triton and XLA in one run.
-GM='[{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[48],"num_stages":[2]},{"kernel":["mgpu"],"block_t":[32],"num_stages":[2,3]}]'
+GM='[{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[64],"num_stages":[2],"num_splits":[1,2]}]'
 if [ "$PH" = b ]; then
 run pytest 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -n0 -p no:cacheprovider -o addopts="" tests/test_mgpu_mla_decode.py
 run mla128 240 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv bf16 --sweep --sweep-kv bf16 --grid "$GM"
