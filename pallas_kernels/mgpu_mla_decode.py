@@ -29,7 +29,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.compat import interpret_mode, platform
+
 LOG2E = 1.4426950408889634
+FP8 = jnp.float8_e4m3fn
+SCALE_BOX = 16  # bytes copied for an FP8 row's scale byte (and its zero padding): TMA's smallest box row
 HEADS = 64  # heads a CTA: one wgmma M tile a compute warpgroup
 
 
@@ -54,8 +58,9 @@ def check_shapes(heads: int, latent: int, rope: int, block_t: int, block_size: i
         # 64: wgmma's contraction over a tile's tokens takes multiples of 64, and 64 score columns are what
         # the registers hold beside the context half.
         raise ValueError(f"block_t: 64 tokens, a multiple of block_size {block_size}; got {block_t}")
-    if jnp.dtype(cache_dtype) != jnp.dtype(jnp.bfloat16):
-        raise ValueError(f"cache dtype: the Mosaic GPU MLA kernel reads bf16 caches, got {jnp.dtype(cache_dtype)}")
+    if jnp.dtype(cache_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(FP8)):
+        raise ValueError(f"cache dtype: the Mosaic GPU MLA kernel reads bf16 or kv_quant FP8 caches, got "
+                         f"{jnp.dtype(cache_dtype)}")
     if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"q dtype: bf16 or float32, got {jnp.dtype(q_dtype)}")
 
@@ -91,8 +96,10 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
         raise ValueError("layer: a [L, slots, D] cache needs the layer index")
     check_shapes(H, C, R, block_t, block_size, cache.dtype, q_latent.dtype)
     L, slots, D = cache.shape
-    if D < C + R:
-        raise ValueError(f"cache: rows of {D} cannot hold latent {C} + rope {R}")
+    fp8 = jnp.dtype(cache.dtype) == jnp.dtype(FP8)
+    if D < C + R + (SCALE_BOX if fp8 else 0):
+        raise ValueError(f"cache: rows of {D} cannot hold latent {C} + rope {R}"
+                         f"{f' + the scale byte and its padding ({SCALE_BOX})' if fp8 else ''}")
     if slots % block_size:
         raise ValueError(f"cache: {slots} slots are not whole blocks of {block_size}")
     if not 0 <= layer < L:
@@ -107,17 +114,28 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
     Ch = C // 2
     bt, bs, S = block_t, block_size, num_splits
     pages_a_tile = bt // bs
+    # bf16: the wgmma operands are the TMA'd tiles, num_stages slots. FP8: one slot of raw rows, widened by
+    # the compute warpgroups into one slot of bf16 tiles (exact: e4m3 values are bf16 values) and freed
+    # for the next tile's copy right after, so the copy overlaps the tile's products; the row scale applied
+    # to the scores and the probabilities (it scales both a token's key and value).
+    raw_stages = 1 if fp8 else num_stages
     dt = jnp.bfloat16
     # Staged in the query's buffer (bf16, one TMA store) when there is one split and a bf16 result, else in
     # float32 through the exchange buffers, 64 columns at a time.
     stage_bf16 = S == 1 and out_dtype == jnp.dtype(jnp.bfloat16)
     o_dtype = jnp.bfloat16 if stage_bf16 else jnp.float32
     qk_scale = float(scale) * LOG2E
+    if interpret is None:
+        interpret = interpret_mode()
     interp = bool(interpret)
+    if not interp and platform() != "cuda":
+        raise ValueError(f"mgpu_mla_decode: Mosaic GPU compiles for CUDA (Hopper) only, not {platform()}; ROCm keeps "
+                         "the Triton kernel (mla_kernel=triton)")
     cache4 = cache.reshape(L, slots // bs, bs, D)
 
     def body(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, scoped):
-        (q_lo, q_hi, k_lo, k_hi, k_rp, xch, lse_smem), (q_bar, k_bar, k_free, x_full, rope_read, x_done) = scoped
+        (q_lo, q_hi, k_lo, k_hi, k_rp, xch, lse_smem, *raw), (q_bar, k_bar, k_free, x_full, rope_read, x_done) = scoped
+        r_lo, r_hi, r_rp, r_sc, k_sc = raw if fp8 else (k_lo, k_hi, k_rp, None, None)
         b = lax.axis_index("b")
         s = lax.axis_index("s")
         h0 = lax.axis_index("h") * HEADS
@@ -134,8 +152,9 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             heads = pl.ds(h0, HEADS)
             plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, pl.ds(0, Ch)], q_lo, q_bar)
             plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, pl.ds(Ch, Ch)], q_hi, q_bar)
-            # The query's rope part passes through tile slot 1's rope buffer into warpgroup 0's registers.
-            plgpu.copy_gmem_to_smem(qr_ref.at[b, heads], k_rp.at[1], q_bar)
+            # The query's rope part passes through a rope tile buffer into warpgroup 0's registers: bf16 slot
+            # 1's (the memory warpgroup fills it once 0 has read it), FP8 the widened tile's (0 writes it).
+            plgpu.copy_gmem_to_smem(qr_ref.at[b, heads], k_rp.at[0 if fp8 else 1], q_bar)
 
             def issue(tile, slot):
                 first = (start + tile * bt) // bs
@@ -144,18 +163,22 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                     page = bt_ref[b, jnp.minimum(first + j, last_page)]
                     src = cache_ref.at[layer, page]
                     rows = pl.ds(j * bs, bs)
-                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(0, Ch)], k_lo.at[slot, rows], k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(Ch, Ch)], k_hi.at[slot, rows], k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(C, R)], k_rp.at[slot, rows], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(0, Ch)], r_lo.at[slot, rows], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(Ch, Ch)], r_hi.at[slot, rows], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(C, R)], r_rp.at[slot, rows], k_bar.at[slot])
+                    if fp8:
+                        plgpu.copy_gmem_to_smem(src.at[:, pl.ds(C + R, SCALE_BOX)], r_sc.at[slot, rows],
+                                                k_bar.at[slot])
 
             pl.when(n_tiles > 0)(lambda: issue(0, 0))
-            plgpu.barrier_wait(rope_read)
-            for i in range(1, num_stages):
+            if not fp8:
+                plgpu.barrier_wait(rope_read)
+            for i in range(1, raw_stages):
                 pl.when(i < n_tiles)(lambda i=i: issue(i, i))
 
-            @pl.loop(num_stages, jnp.maximum(n_tiles, num_stages))
+            @pl.loop(raw_stages, jnp.maximum(n_tiles, raw_stages))
             def _refill(tile):
-                slot = lax.rem(tile, num_stages)
+                slot = lax.rem(tile, raw_stages)
                 plgpu.barrier_wait(k_free.at[slot])
                 issue(tile, slot)
 
@@ -165,8 +188,9 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             f32 = jnp.float32
             q_rope = None
             if role == 0:
-                q_rope = k_rp.at[1][...]
-                plgpu.barrier_arrive(rope_read)
+                q_rope = k_rp.at[0 if fp8 else 1][...]
+                if not fp8:
+                    plgpu.barrier_arrive(rope_read)
             k_half = k_lo if role == 0 else k_hi
             chunks = Ch // 64
             # Register layouts are the compiler's (the interpreter has none).
@@ -174,6 +198,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             m0 = cast(jnp.full((HEADS,), -1e30, f32), plgpu.Layout.WGMMA.reduce(1))
             l0 = cast(jnp.zeros((HEADS,), f32), plgpu.Layout.WGMMA.reduce(1))
             acc0 = tuple(cast(jnp.zeros((HEADS, 64), f32), plgpu.Layout.WGMMA) for _ in range(chunks))
+            ones = cast(jnp.ones((HEADS, SCALE_BOX), dt), plgpu.Layout.WGMMA) if fp8 else None
 
             def mma(acc, a, b, a2=None, b2=None):
                 """acc + a @ b (+ a2 @ b2) in float32; with ``acc`` None the scores a @ b.T (+ a2 @ b2.T),
@@ -195,8 +220,23 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
 
             def tile_step(tile, carry):
                 m, l, accs = carry
-                slot = lax.rem(tile, num_stages)
+                slot = lax.rem(tile, raw_stages)
                 plgpu.barrier_wait(k_bar.at[slot])
+                row_scale = None
+                if fp8:
+                    slot = 0  # the widened tile's
+                    widen = [(r_lo if role == 0 else r_hi, k_half)] + ([(r_rp, k_rp)] if role == 0 else [])
+                    for src, dst in widen:
+                        for c0 in range(0, src.shape[-1], 128):  # 128 columns at a time: registers
+                            w = min(128, src.shape[-1] - c0)
+                            dst[0, :, pl.ds(c0, w)] = src[0, :, pl.ds(c0, w)].astype(dt)
+                    byte = lax.bitcast_convert_type(r_sc[0], jnp.uint8).astype(jnp.int32)
+                    col = lax.broadcasted_iota(jnp.int32, byte.shape, 1)
+                    k_sc[role] = jnp.where(col == 0, jnp.exp2((byte - 127).astype(f32)), 0.0).astype(dt)
+                    plgpu.commit_smem()  # the widened tiles, written by threads, read by wgmma
+                    pl.when(tile + 1 < n_tiles)(lambda: plgpu.barrier_arrive(k_free.at[0]))
+                    # Every token's scale in the scores' layout: ones [64, 16] @ [scale | 0...]^T.
+                    row_scale = mma(None, ones, k_sc.at[role])
                 # The partial scores swapped through one buffer, in turn: warpgroup 1 writes its own (its
                 # contraction is the shorter), 0 reads it and writes its own, 1 reads that. The buffer is
                 # written again only after both reads (1 writes the next tile's after its read).
@@ -213,7 +253,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                     plgpu.barrier_arrive(x_full.at[1])
                     plgpu.barrier_wait(x_full.at[0])
                     sc = xch[...] + part  # the same sum as warpgroup 0's: float addition commutes
-                sc = sc * qk_scale
+                sc = sc * qk_scale if row_scale is None else sc * (row_scale * qk_scale)
                 cols = (lax.broadcasted_iota(jnp.int32, (HEADS, bt), 1) if interp else
                         plgpu.broadcasted_iota(jnp.int32, (HEADS, bt), 1, layout=plgpu.Layout.WGMMA))
                 sc = jnp.where(cols < end - (start + tile * bt), sc, -jnp.inf)
@@ -221,14 +261,15 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(dt)
+                p16 = (p if row_scale is None else p * row_scale).astype(dt)
                 new = []
                 for c in range(chunks):
                     a = accs[c] * lax.broadcast_in_dim(alpha, (HEADS, 64), [0])
                     new.append(mma(a, p16, k_half.at[slot, :, pl.ds(c * 64, 64)]))
                 # Every arrival is waited for (the interpreter checks it): the last num_stages tiles free no
                 # slot to refill.
-                pl.when(tile + num_stages < n_tiles)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+                if not fp8:
+                    pl.when(tile + num_stages < n_tiles)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
                 return m_new, l, tuple(new)
 
             m, l, accs = lax.fori_loop(0, n_tiles, tile_step, (m0, l0, acc0))
@@ -265,21 +306,28 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
         pl.when(wg == 1)(lambda: compute(1))
 
     def entry(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref):
-        tiled = lambda dtype: (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),  # noqa: E731
-                               plgpu.SwizzleTransform(128))
+        def tiled(dtype, cols):  # wgmma / TMA layout: rows of min(128, a row's bytes) swizzled
+            swizzle = min(128, cols * jnp.dtype(dtype).itemsize)
+            return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+        def tile(slots, cols, dtype=dt):
+            return plgpu.SMEM((slots, bt, cols), dtype, transforms=tiled(dtype, cols))
+
+        conv = 1 if fp8 else num_stages
         smem = (
-            plgpu.SMEM((HEADS, Ch), dt, transforms=tiled(dt)),
-            plgpu.SMEM((HEADS, Ch), dt, transforms=tiled(dt)),
-            plgpu.SMEM((num_stages, bt, Ch), dt, transforms=tiled(dt)),
-            plgpu.SMEM((num_stages, bt, Ch), dt, transforms=tiled(dt)),
-            plgpu.SMEM((num_stages, bt, R), dt, transforms=tiled(dt)),
-            plgpu.SMEM((HEADS, bt), jnp.float32, transforms=tiled(jnp.float32)),
+            plgpu.SMEM((HEADS, Ch), dt, transforms=tiled(dt, Ch)),
+            plgpu.SMEM((HEADS, Ch), dt, transforms=tiled(dt, Ch)),
+            tile(conv, Ch), tile(conv, Ch), tile(conv, R),
+            plgpu.SMEM((HEADS, bt), jnp.float32, transforms=tiled(jnp.float32, bt)),
             plgpu.SMEM((HEADS,), jnp.float32),
         )
+        if fp8:  # the raw rows' slot and each compute warpgroup's [scale | 0...] tile
+            smem += (tile(1, Ch, FP8), tile(1, Ch, FP8), tile(1, R, FP8), plgpu.SMEM((1, bt, SCALE_BOX), FP8),
+                     tile(2, SCALE_BOX))
         barriers = (
             plgpu.Barrier(num_arrivals=3),
-            plgpu.Barrier(num_arrivals=3 * pages_a_tile, num_barriers=num_stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=(4 if fp8 else 3) * pages_a_tile, num_barriers=raw_stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=raw_stages),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(),
             plgpu.Barrier(num_barriers=2),
@@ -297,7 +345,10 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
     return combine_splits(o, lse, out_dtype)
 
 
-def smem_bytes(latent: int, rope: int, block_t: int, num_stages: int) -> int:
+def smem_bytes(latent: int, rope: int, block_t: int, num_stages: int, fp8: bool = False) -> int:
     """Shared memory the kernel asks for (Hopper's limit: 227 KB a CTA): the query's latent halves (its
-    rope part passes through a tile slot), the tile slots, the exchange buffer and the lse row."""
-    return HEADS * latent * 2 + num_stages * block_t * (latent + rope) * 2 + HEADS * block_t * 4 + HEADS * 4
+    rope part passes through a tile buffer), the bf16 tile slots (one for FP8, plus its raw rows and the
+    two [scale | 0...] tiles), the exchange buffer and the lse row."""
+    tiles = (1 if fp8 else num_stages) * block_t * (latent + rope) * 2
+    raw = block_t * (latent + rope + SCALE_BOX) + 2 * block_t * SCALE_BOX * 2 if fp8 else 0
+    return HEADS * latent * 2 + tiles + raw + HEADS * block_t * 4 + HEADS * 4

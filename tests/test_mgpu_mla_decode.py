@@ -19,11 +19,11 @@ ON_HOPPER = jax.default_backend() == "gpu" and "H100" in jax.devices()[0].device
     jax.default_backend() == "gpu" and "H200" in jax.devices()[0].device_kind
 
 
-def _check(B, H, C, R, block_size, nb, lens, block_t, stages, splits, interpret):
+def _check(kv, B, H, C, R, block_size, nb, lens, block_t, stages, splits, interpret):
     values, ql, qr, bt = mla_inputs(fresh_key_seed(), B, H, C, R, block_size, nb)
     lens = jnp.asarray(lens, jnp.int32)
     scale = 1.2 / (C + R) ** 0.5
-    cache, stored = stored_cache(values, "bf16", C + R)
+    cache, stored = stored_cache(values, kv, C + R)
     exact = mla_reference(ql, qr, stored, bt, lens, block_size, scale)
     kw = dict(block_size=block_size, scale=scale, layer=1, block_t=block_t, num_stages=stages, num_splits=splits,
               interpret=interpret)
@@ -37,23 +37,25 @@ def _check(B, H, C, R, block_size, nb, lens, block_t, stages, splits, interpret)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter run (CPU); the GPU runs the compiled test")
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("lens,block_t,splits", [
     ([1, 37], 64, 1),    # one token; a ragged last tile; the bf16 result staged in the query's buffer
     ([128, 21], 64, 3),  # 3 splits (one empty for the short sequence), float32 partials
 ])
-def test_interpreter_matches_reference(lens, block_t, splits):
-    _check(B=2, H=64, C=128, R=64, block_size=16, nb=8, lens=lens, block_t=block_t, stages=2, splits=splits,
+def test_interpreter_matches_reference(kv, lens, block_t, splits):
+    _check(kv, B=2, H=64, C=128, R=64, block_size=16, nb=8, lens=lens, block_t=block_t, stages=2, splits=splits,
            interpret=True)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="compiled for sm_90 (an H100 or H200)")
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("B,H,nb,lens,block_t,stages,splits", [
     (3, 128, 40, [1, 333, 640], 64, 2, 1),
     (2, 128, 64, [1024, 77], 64, 2, 4),
     (4, 64, 16, [256, 16, 17, 255], 64, 2, 2),
 ])
-def test_device_matches_reference(B, H, nb, lens, block_t, stages, splits):
-    _check(B=B, H=H, C=512, R=64, block_size=16, nb=nb, lens=lens, block_t=block_t, stages=stages, splits=splits,
+def test_device_matches_reference(kv, B, H, nb, lens, block_t, stages, splits):
+    _check(kv, B=B, H=H, C=512, R=64, block_size=16, nb=nb, lens=lens, block_t=block_t, stages=stages, splits=splits,
            interpret=False)
 
 
@@ -67,6 +69,8 @@ def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="block_t"):
         mgpu_mla_decode(q, qr, cache, bt, lens, **dict(kw, block_t=32))
     with pytest.raises(ValueError, match="cache dtype"):
+        mgpu_mla_decode(q, qr, cache.astype(jnp.float16), bt, lens, **kw)
+    with pytest.raises(ValueError, match="scale byte"):  # FP8 rows without room for the scale's box
         mgpu_mla_decode(q, qr, cache.astype(jnp.float8_e4m3fn), bt, lens, **kw)
     with pytest.raises(ValueError, match="layer"):
         mgpu_mla_decode(q, qr, cache, bt, lens, **dict(kw, layer=2))
@@ -78,3 +82,4 @@ def test_shared_memory_fits_hopper():
     """The tilings the selection may take fit a CTA's 227 KB (the compiler refuses more)."""
     assert smem_bytes(512, 64, 64, 2) <= 227 * 1024
     assert smem_bytes(512, 64, 64, 3) > 227 * 1024  # why a third slot is not offered
+    assert smem_bytes(512, 64, 64, 1, fp8=True) <= 227 * 1024

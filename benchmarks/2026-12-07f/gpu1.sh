@@ -16,10 +16,11 @@ for LK in 2:auto 2:xla 4:auto; do L=${LK%:*}; K=${LK#*:}
 run compile_${L}_$K 130 python3 scripts/bench_decode.py --preset deepseek-v2-lite --layers $L --concurrency 256 --input-len 2000 --output-len 16 --steps 3 --warmup 1 --fill random --kv-dtype fp8 --kernels $K --compile-time
 done
 fi
-# b: the Mosaic GPU MLA kernel: its tests compiled on the card, then 128 heads x 197 / 512 x 2048 bf16
-#    against the selected kernel (Pallas), Triton and XLA in one run.
-GM='[{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[64],"num_stages":[2],"num_splits":[1,2]}]'
+# b: the Mosaic GPU MLA kernel: its tests compiled on the card, then 128 heads x 197 / 512 x 2048, bf16 and FP8,
+#    against the kernels selected before it (bf16: Pallas gather 32 heads x 64 tokens; FP8: Triton), and XLA,
+#    in one run (the "selected" row is now mgpu with its own splits).
+GM='[{"tile":["gather"],"block_h":[32],"block_t":[64],"num_warps":[4],"num_stages":[3]},{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[64],"num_stages":[2],"num_splits":[1,2]}]'
 if [ "$PH" = b ]; then
 run pytest 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -n0 -p no:cacheprovider -o addopts="" tests/test_mgpu_mla_decode.py
-run mla128 240 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv bf16 --sweep --sweep-kv bf16 --grid "$GM"
+run mla128 240 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv bf16 fp8 --sweep --sweep-kv bf16 fp8 --grid "$GM"
 fi

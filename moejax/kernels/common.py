@@ -39,7 +39,7 @@ SHARED_FUSION = ("auto", "on", "off")
 MOE_KERNELS, MOE_KERNEL_ENV = ("auto", "pallas", "triton"), "MOEJAX_MOE_KERNEL"
 W8A8_KERNELS, W8A8_KERNEL_ENV = ("auto", "triton", "pallas"), "MOEJAX_W8A8_KERNEL"
 W8A8_DENSE_KERNELS, W8A8_DENSE_KERNEL_ENV = ("auto", "pallas", "triton", "cublaslt"), "MOEJAX_W8A8_DENSE_KERNEL"
-MLA_KERNELS, MLA_KERNEL_ENV = ("auto", "pallas", "triton"), "MOEJAX_MLA_KERNEL"
+MLA_KERNELS, MLA_KERNEL_ENV = ("auto", "pallas", "triton", "mgpu"), "MOEJAX_MLA_KERNEL"
 _FUSE_SHARED: contextvars.ContextVar[str] = contextvars.ContextVar("moejax_fuse_shared", default="auto")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))  # the kernels' inputs
 
@@ -142,6 +142,17 @@ class KernelScopedModule:
 def platform() -> str:
     """'cuda', 'rocm' or 'cpu' (anything else counts as 'cpu': no Triton); pallas_kernels.compat's rule."""
     return compat.platform()
+
+
+@functools.lru_cache(maxsize=None)
+def hopper() -> bool:
+    """A CUDA device of compute capability 9.x (H100 / H200 / H800 / H20): wgmma and TMA (Mosaic GPU kernels)."""
+    if platform() != "cuda":
+        return False
+    try:
+        return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+    except Exception:  # pragma: no cover
+        return False
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,7 @@ from moejax.kernels import common, paged_decode
 from moejax.kernels.common import (MLA_KERNEL_ENV, MLA_KERNELS, Plan, einsum_f32, plan_reason, pow2, triton_dim,
                                    want_kernel)
 from moejax.kernels.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
-from pallas_kernels import jax_triton_compat
+from pallas_kernels import jax_triton_compat, mgpu_mla_decode as mgpu
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.triton_mla_decode import triton_mla_decode
 
@@ -37,9 +37,29 @@ def mla_kernel(heads: int, latent: int, rope: int, cache_dtype, rows: int = 1) -
     want = common.override("mla_kernel", MLA_KERNEL_ENV, MLA_KERNELS)
     if want != "auto":
         return want
+    if mgpu_fits(heads, latent, rope, cache_dtype) and common.hopper() and mgpu.available()[0]:
+        return "mgpu"
     ok = (common.platform() == "cuda" and paged_decode.slow_fp8(heads, cache_dtype) and triton_dim(latent)
           and triton_dim(rope))
     return "triton" if ok and jax_triton_compat.available()[0] else "pallas"
+
+
+def mgpu_fits(heads: int, latent: int, rope: int, cache_dtype, block_size: int = 16) -> bool:
+    """The Mosaic GPU kernel's shapes (pallas_kernels/mgpu_mla_decode.check_shapes): 64-head CTAs over a bf16
+    cache, pages that tile its 64 tokens."""
+    try:
+        mgpu.check_shapes(heads, latent, rope, 64, block_size, cache_dtype, jnp.bfloat16)
+    except ValueError:
+        return False
+    return True
+
+
+def mgpu_params(batch: int, heads: int, max_len: int) -> dict:
+    """Tiling of mgpu_mla_decode: 64-token tiles in two slots (what shared memory holds); context splits
+    until the CTAs (64 heads of a sequence each) fill the GPU, each split >= 256 tokens."""
+    ctas = batch * (heads // mgpu.HEADS)
+    num_splits = max(1, min(max(1, max_len // 256), -(-common.num_compute_units() // max(ctas, 1)), 16))
+    return dict(block_t=64, num_stages=2, num_splits=num_splits)
 
 
 def triton_params(batch: int, heads: int, max_len: int, fp8: bool = False) -> dict:
@@ -85,7 +105,10 @@ def plan(batch: int, heads: int, latent: int, rope: int, max_len: int, block_siz
         if together:
             return Plan("triton", dict(triton_params(batch, heads * rows, max_len, fp8), rows=rows),
                         plan_reason(forced))
-    if mla_kernel(heads, latent, rope, cache_dtype) == "triton":
+    kernel = mla_kernel(heads, latent, rope, cache_dtype)
+    if kernel == "mgpu" and mgpu_fits(heads, latent, rope, cache_dtype, block_size):
+        return Plan("mgpu", mgpu_params(batch, heads, max_len), plan_reason(forced))
+    if kernel == "triton":
         return Plan("triton", triton_params(batch, heads, max_len, fp8), plan_reason(forced))
     if not forced and paged_decode.slow_fp8(heads, cache_dtype):
         return Plan("xla", reason=paged_decode.slow_fp8.__doc__)
@@ -110,6 +133,8 @@ def run(q_latent, q_rope, cache, block_tables, seq_lens, block_size: int, scale:
             return ctx.reshape(N, H, C)
         block_tables = jnp.repeat(block_tables, rows, axis=0)
     pl = plan(N, H, C, R, max_len, block_size, cache.dtype, mode)
+    if pl.path == "mgpu":
+        return mgpu.mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, **kw, **pl.params)
     if pl.path == "triton":
         return triton_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, **kw, **pl.params)
     if pl.path == "pallas":
@@ -121,10 +146,12 @@ def xla(q_latent, q_rope, cache, block_tables, seq_lens, block_size: int, scale:
         out_dtype=None):
     """One gather of each sequence's rows (block_tables [N, nb]), scores against the latents directly (K and
     V never expanded)."""
-    if layer is not None:
-        cache = cache[layer]
+    slots = paged_decode.gather_sequence_slots(block_tables, block_size)
+    if layer is not None and not isinstance(layer, int):  # a traced layer (a scanned one): one gather, no slice
+        kv = cache[layer, slots]
+    else:
+        kv = cache[slots] if layer is None else cache[layer][slots]  # [B, T, C+R]
     C = q_latent.shape[-1]
-    kv = cache[paged_decode.gather_sequence_slots(block_tables, block_size)]  # [B, T, C+R]
     if is_fp8_cache(kv):
         kv = dequantize_rows(kv, C + q_rope.shape[-1]).astype(q_latent.dtype)
     kv = as_model_dtype(kv, q_latent.dtype)
