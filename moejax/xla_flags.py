@@ -17,6 +17,9 @@ time and compile time is in BENCHMARKS.md, "2026-12-07b start-up (CPU)"):
 - ``--xla_cpu_use_fusion_emitters=false`` (jaxlib 0.10 only: XLA aborts on a flag it no longer knows):
   each fusion's loop emitted straight to LLVM IR instead of through the MLIR emitters, the same HLO and
   fusions.
+- ``--xla_cpu_parallel_codegen_split_count=1`` (jaxlib 0.10 only, as above): a program's LLVM module compiled as one
+  module, not split into 32 for a thread pool: on 2 cores a model step of the tiny default compiles in ~25%
+  less time (BENCHMARKS.md "2026-12-08 start-up (CPU)"); the same machine code, only how it is partitioned.
 
 A value the user already set in XLA_FLAGS wins; once a backend exists, XLA has read its flags and this
 changes nothing (a warning says so).
@@ -38,7 +41,7 @@ FLAGS = {
     "xla_gpu_experimental_parallel_collective_overlap_limit": "2",
 }
 CPU_FLAGS = {"xla_backend_optimization_level": "0"}
-CPU_FLAGS_JAXLIB_0_10 = {"xla_cpu_use_fusion_emitters": "false"}
+CPU_FLAGS_JAXLIB_0_10 = {"xla_cpu_use_fusion_emitters": "false", "xla_cpu_parallel_codegen_split_count": "1"}
 GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin")
 
 

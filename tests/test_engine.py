@@ -9,7 +9,6 @@ from conftest import assert_top_logprobs, log_softmax
 
 import moejax
 from moejax.engine.block_manager import BlockManager
-from moejax.engine.model_runner import packed_bucket
 from moejax.engine.sampling_params import SamplingParams
 from moejax.engine.sequence import Sequence
 from moejax.layers.sampler import sample
@@ -73,7 +72,8 @@ def test_packed_prefill_matches_one_at_a_time(tiny_path):
     assert (m.engine.runner.last_expert_counts.sum(-1) == sum(lens) * k).all()  # padding is not routed
     kw = dict(max_new_tokens=4, ignore_eos=True, logprobs=True)
     together = moejax.generate(m, prompts, **kw)
-    assert m.engine.runner.last_prefill_tokens == packed_bucket(sum(lens)) == 192  # padded: 8 x 256 = 2048
+    # the stream: their total (176) in its bucket (192; 256 on XLA:CPU, buckets.py's compile_bound), not 8 x 256
+    assert m.engine.runner.last_prefill_tokens == m.engine.runner.buckets.packed(sum(lens))[0] <= 256
     for p, got in zip(prompts, together):
         alone = moejax.generate(m, [p], **kw)[0]
         assert got.token_ids == alone.token_ids

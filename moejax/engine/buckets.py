@@ -22,9 +22,13 @@ big program is a whole-model compile:
 - sampling runs in its own small program per (batch rows, SampleMode), apart from the model step.
 
 Where a program's compile costs more than a coarser bucket's padding (``compile_bound``: XLA:CPU, the tiny
-default, tests, CI; BENCHMARKS.md "2026-12-07c start-up (CPU)"): two decode widths, the longest and a
-quarter of it; paged chunk lengths a factor of 4 apart (16, 64, 256, ..., and the longest); the sampler's top logprobs always computed (``sample_mode``: a batch asking none keeps
-none of them, so its tokens and logprobs are the same and a mode without them needs no program of its own).
+default, tests, CI; BENCHMARKS.md "2026-12-07c start-up (CPU)", "2026-12-08 start-up (CPU)"): two decode
+widths, the longest and a quarter of it; paged chunk lengths a factor of 4 apart (16, 64, 256, ..., and the
+longest); every step's rows (the decode batch, a packed prefill's prompts, a wide paged prefill's chunks:
+the sampler's rows too) a power of 4 (1, 4, 16, ..., and the largest), the wide paged batch rounded down
+to one; packed streams of 16, 64, 256, ... tokens and the largest; the sampler's top logprobs always
+computed (``sample_mode``: a batch asking none keeps none of them, so its tokens and logprobs are the same
+and a mode without them needs no program of its own).
 
 A batch that fits no bucket (more prompts than ``max_prefill_seqs``, more chunks than B rows) is
 run as several steps by the runner (``split``), never as a new shape.
@@ -39,6 +43,8 @@ MAX_PREFILL_SEQS = 256  # prompts (or chunks) of one prefill program per rank at
 MAX_DECODE_WIDTHS = 4  # block-table widths of the decode program where the attention reads the whole table
 COMPILE_BOUND_WIDTH_STEP = 4  # compile_bound: the longest width and 1/4 of it
 COMPILE_BOUND_CHUNK_STEP = 4  # compile_bound: paged chunk lengths 16, 64, 256, ... and the longest
+COMPILE_BOUND_ROWS_STEP = 4  # compile_bound: a step's rows 1, 4, 16, ... and the largest
+COMPILE_BOUND_TOKENS_STEP = 4  # compile_bound: packed stream tokens 16, 64, 256, ... and the largest
 
 
 def token_bucket(n: int) -> int:
@@ -47,6 +53,15 @@ def token_bucket(n: int) -> int:
     if p <= 128:
         return p
     return p * 3 // 4 if n <= p * 3 // 4 else p
+
+
+def powers_of(step: int, hi: int, lo: int = 1) -> list[int]:
+    """lo, lo x step, lo x step^2, ... up to hi."""
+    out, v = [], lo
+    while v <= hi:
+        out.append(v)
+        v *= step
+    return out
 
 
 def powers_of_two(hi: int, lo: int = 1) -> list[int]:
@@ -74,28 +89,47 @@ class Buckets:
         top = pow2(self.max_chunk, 16)
         self.paged_lens = [S for S in powers_of_two(top, 16)
                            if not compile_bound or S == top or (S // 16).bit_length() % 2 == 1]
+        # compile_bound: the rows sizes of every step (and so of the sampler), and the packed streams' tokens
+        self.rows_sizes = (sorted({*powers_of(COMPILE_BOUND_ROWS_STEP, self.max_decode_batch), self.max_decode_batch,
+                                   self.max_prefill_seqs}) if compile_bound else None)
+        self.token_sizes = (sorted({t for t in powers_of(COMPILE_BOUND_TOKENS_STEP, self.max_tokens, 16)}
+                                   | {self.max_tokens}) if compile_bound else None)
         widths = powers_of_two(self.max_width)
         if compile_bound:
             widths = sorted({self.max_width, max(1, self.max_width // COMPILE_BOUND_WIDTH_STEP)})
         self.decode_widths = widths[-MAX_DECODE_WIDTHS:] if decode_width_scales else [self.max_width]
 
     # ----- decode
+    def _rows(self, n: int) -> int:
+        """compile_bound: the smallest rows size of at least n (n <= the largest)."""
+        return next(r for r in self.rows_sizes if r >= n)
+
     def decode_batch(self, n: int) -> int:
+        if self.compile_bound:
+            return self._rows(min(n, self.max_decode_batch))
         return min(pow2(n), self.max_decode_batch)
 
     def decode_width(self, blocks: int) -> int:
         return next(w for w in self.decode_widths if w >= min(blocks, self.max_width))
 
+    def decode_batches(self) -> list[int]:
+        return self.rows_sizes if self.compile_bound else powers_of_two(self.max_decode_batch)
+
     def decode_shapes(self) -> list[tuple[int, int]]:
-        return [(b, w) for b in powers_of_two(self.max_decode_batch) for w in self.decode_widths]
+        return [(b, w) for b in self.decode_batches() for w in self.decode_widths]
 
     # ----- packed prefill
     def packed(self, tokens: int) -> tuple[int, int]:
         """(T, B): stream tokens and prompt rows of a packed prefill whose longest rank has ``tokens``."""
+        if self.compile_bound:
+            T = next((t for t in self.token_sizes if t >= tokens), None) or token_bucket(tokens)
+            return T, self._rows(min(pow2(T), self.max_prefill_seqs))
         T = token_bucket(tokens)
         return T, min(pow2(T), self.max_prefill_seqs)
 
     def packed_shapes(self) -> list[tuple[int, int]]:
+        if self.compile_bound:
+            return [self.packed(t) for t in self.token_sizes]
         sizes = sorted({token_bucket(n) for n in [*powers_of_two(self.max_tokens),
                                                   *(p * 3 // 4 for p in powers_of_two(self.max_tokens, 256))]
                         if n <= self.max_tokens} | {self.max_tokens})
@@ -106,7 +140,9 @@ class Buckets:
         return next(S for S in self.paged_lens if S >= min(longest_chunk, self.paged_lens[-1]))
 
     def wide_batch(self, S: int) -> int:
-        return max(1, min(self.max_prefill_seqs, pow2(self.prefill_tokens) // S))
+        """Chunks of up to S tokens a paged prefill takes at most (compile_bound: rounded down to a rows size)."""
+        n = max(1, min(self.max_prefill_seqs, pow2(self.prefill_tokens) // S))
+        return max(r for r in self.rows_sizes if r <= n) if self.compile_bound else n
 
     def paged(self, chunks: int, S: int) -> int:
         """B rows for ``chunks`` chunks of at most S tokens (chunks <= wide_batch(S))."""
@@ -156,6 +192,6 @@ class Buckets:
 
     def sample_rows(self) -> list[int]:
         """Every batch-rows size a step hands to the sampler."""
-        rows = set(powers_of_two(self.max_decode_batch))
+        rows = set(self.decode_batches())
         rows |= {b for _, b in self.packed_shapes()} | {b for b, _ in self.paged_shapes()}
         return sorted(rows)

@@ -41,6 +41,11 @@ class MLA(nn.Module):
     dtype: Any = jnp.float32
     fp8: Fp8Scheme | None = None  # the attention projections' FP8 scheme
     merge_q_kv_a: bool = True  # False keeps the two projections apart (the reference in tests)
+    cache_layer: Any = None  # the cache layer written and read, where not ``layer`` (a scanned layer's traced index)
+
+    @property
+    def cache_index(self):
+        return self.layer if self.cache_layer is None else self.cache_layer
 
     def setup(self):
         c, dt, q = self.cfg, self.dtype, self.fp8
@@ -108,7 +113,7 @@ class MLA(nn.Module):
         q_nope, q_rope = self._query(x, q_a, batch.positions)  # [..., nh, dn], [..., nh, R]
         lat = self._latent(kv_a, batch.positions)
         if cache is not None:
-            cache = write_cache(cache, self.layer, batch.slots.reshape(-1), lat.reshape(-1, lat.shape[-1]))
+            cache = write_cache(cache, self.cache_index, batch.slots.reshape(-1), lat.reshape(-1, lat.shape[-1]))
         kw = dict(scale=c.softmax_scale, v_offset=dn, v_dim=dv, out_dtype=x.dtype)
         if batch.mode != "paged":
             kv = self.kv_b_proj(lat[..., :C]).reshape(*lat.shape[:-1], nh, dn + dv)  # [k_nope | v] per head
@@ -127,7 +132,7 @@ class MLA(nn.Module):
 
             o = paged_prefill_attention(q_nope, cache, batch.block_tables, batch.seq_lens, batch.ctx_lens,
                                         batch.block_size, expand=expand,
-                                        row_dim=C + c.qk_rope_head_dim, q_rope=q_rope, layer=self.layer, **kw)
+                                        row_dim=C + c.qk_rope_head_dim, q_rope=q_rope, layer=self.cache_index, **kw)
         return self.o_proj(o.reshape(*x.shape[:-1], nh * dv)), cache
 
     def decode(self, x, batch: ForwardBatch, cache):
@@ -136,11 +141,11 @@ class MLA(nn.Module):
         nh, dn, C = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
         q_a, kv_a = self._project_a(x)
         q_nope, q_rope = self._query(x, q_a, batch.positions)  # [B, nh, dn], [B, nh, R]
-        cache = write_cache(cache, self.layer, batch.slots, self._latent(kv_a, batch.positions))
+        cache = write_cache(cache, self.cache_index, batch.slots, self._latent(kv_a, batch.positions))
         w_kv_b = self.kv_b_proj.weight.reshape(nh, dn + c.v_head_dim, C)
         w_uk, w_uv = w_kv_b[:, :dn], w_kv_b[:, dn:]
         q_latent = einsum_f32("bhn,hnc->bhc", q_nope, w_uk)
         ctx = mla_decode_attention(q_latent.astype(x.dtype), q_rope, cache, batch.block_tables, batch.seq_lens,
-                                   batch.block_size, c.softmax_scale, layer=self.layer, out_dtype=x.dtype)
+                                   batch.block_size, c.softmax_scale, layer=self.cache_index, out_dtype=x.dtype)
         o = jnp.einsum("bhc,hvc->bhv", ctx, w_uv)
         return self.o_proj(o.reshape(x.shape[0], -1)), cache

@@ -6,8 +6,10 @@ class, its causal LM names its layer class. Parameter names are HF's (embed_toke
 from typing import Any, ClassVar
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
+from moejax.kernels import common
 from moejax.layers.forward_batch import ForwardBatch
 from moejax.layers.fp8_policy import NO_FP8, Fp8Policy
 from moejax.layers.linear import Embedding, Linear
@@ -16,6 +18,28 @@ from moejax.layers.norm import RMSNorm
 from moejax.layers.paged_attention import query_rows
 from moejax.models.moe import MoE
 from moejax.parallel.dispatch import ExpertParallel
+
+
+def scan_layers(ep: ExpertParallel) -> bool:
+    """Whether CausalLM runs its identical MoE layers as one ``lax.scan`` (``CausalLM._scan``): on XLA:CPU
+    only, where a step's compile time is its cost (the tiny default's start-up, tests, CI: its two MoE layers
+    as one take 15-20% off a step's build, BENCHMARKS.md "2026-12-08 start-up (CPU)"), on XLA's own paths (not the Pallas
+    kernels a test forces there: they take the layer as a static argument); experts local and no dual-batch
+    overlap (one layer's computation a scan step). Elsewhere the layers stay unrolled: GPU programs, their
+    numerics and speed, are unchanged."""
+    return (common.platform() == "cpu" and common.current_mode() != "pallas" and ep.backend == "local"
+            and ep.dbo != "on")
+
+
+def _sow_tree(module, stats: dict) -> None:
+    """Sows ``stats`` (a layer's "stats" collection: nested dicts down to tuples of sown values) into
+    ``module``'s own submodules, value by value, as the module's own calls would have."""
+    for name, sub in stats.items():
+        if isinstance(sub, tuple):
+            for value in sub:
+                module.sow("stats", name, value)
+        else:
+            _sow_tree(getattr(module, name), sub)
 
 
 def split_rows(n_rows: int, *arrays):
@@ -34,13 +58,17 @@ class PreNormDecoderLayer(nn.Module):
     dtype: Any = jnp.float32
     ep: ExpertParallel = ExpertParallel()
     fp8: Fp8Policy = NO_FP8
+    # The cache layer its attention writes and reads where that is not ``layer`` (a traced index: the layer
+    # as a step of CausalLM's scan over identical layers); only attention classes with this field take it.
+    cache_layer: Any = None
     attention: ClassVar[type]
 
     def setup(self):
         c = self.cfg
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
-        self.self_attn = self.attention(c, self.layer, self.dtype, self.fp8.scheme("attention"))
+        kw = {} if self.cache_layer is None else {"cache_layer": self.cache_layer}
+        self.self_attn = self.attention(c, self.layer, self.dtype, self.fp8.scheme("attention"), **kw)
         if c.is_moe_layer(self.layer):
             self.mlp = MoE(c, self.dtype, self.ep, self.fp8)
         else:
@@ -113,8 +141,61 @@ class CausalLM(nn.Module):
         layers/prefill_attention.py); packed, whole prompts back to back [T] -> [T, H] (padding after
         cu_seqlens[B] writes to an out-of-range slot and is not routed to experts)."""
         h = self.embed_tokens(tokens)
-        for layer in self.layers:
-            h, cache = layer.prefill(h, batch, cache)
+        return self._run_layers("prefill", h, batch, cache)
+
+    # ----- the layers in order, identical ones as one lax.scan where ``scan_layers`` says so
+    def _layer_runs(self) -> list[list[int]]:
+        """The decoder layers in runs to execute: a run of several is consecutive MoE layers whose variables
+        have one structure and shapes (one scanned body); every other layer is a run of one."""
+        c = self.cfg
+        if not scan_layers(self.ep) or self.is_initializing() or not hasattr(self.decoder_layer.attention,
+                                                                              "cache_layer"):
+            return [[i] for i in range(len(self.layers))]
+
+        def sig(i):
+            v = self._layer_variables(i)
+            return jax.tree.structure(v), tuple((x.shape, x.dtype) for x in jax.tree.leaves(v))
+
+        runs = []
+        for i in range(len(self.layers)):
+            if (runs and c.is_moe_layer(i) and c.is_moe_layer(runs[-1][-1]) and i == runs[-1][-1] + 1
+                    and sig(i) == sig(runs[-1][0])):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs
+
+    def _layer_variables(self, i: int) -> dict:
+        """Layer i's parameters and routing tables (not what it sows)."""
+        return {k: v for k, v in self.layers[i].variables.items() if k != "stats"}
+
+    def _run_layers(self, method: str, h, batch: ForwardBatch, cache):
+        for run in self._layer_runs():
+            if len(run) == 1:
+                h, cache = getattr(self.layers[run[0]], method)(h, batch, cache)
+            else:
+                h, cache = self._scan(run, method, h, batch, cache)
+        return h, cache
+
+    def _scan(self, run: list[int], method: str, h, batch: ForwardBatch, cache):
+        """The layers ``run`` (identical MoE layers) as one ``lax.scan`` over their stacked variables: XLA
+        compiles one layer's body instead of len(run) copies. Each step is the layer itself (an unbound
+        copy applied to that layer's variables) with its cache layer a traced index; the MoE statistics each
+        sows are sown again under its own layer, as the unrolled layers would."""
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[self._layer_variables(i) for i in run])
+
+        def body(carry, xs):
+            x, kv = carry
+            v, index = xs
+            layer = self.decoder_layer(self.cfg, run[0], self.dtype, self.ep, self.fp8, cache_layer=index,
+                                       parent=None)
+            (x, kv), state = layer.apply(dict(v), x, batch, kv, method=method, mutable=["stats"])
+            return (x, kv), state.get("stats", {})
+
+        (h, cache), stats = jax.lax.scan(body, (h, cache), (stacked, jnp.asarray(run, jnp.int32)))
+        if self.is_mutable_collection("stats"):
+            for j, i in enumerate(run):
+                _sow_tree(self.layers[i], jax.tree.map(lambda a: a[j], stats))
         return h, cache
 
     def decode(self, tokens, batch: ForwardBatch, cache):
@@ -129,9 +210,7 @@ class CausalLM(nn.Module):
             for layer in self.layers:
                 parts, cache = layer.decode_micro(parts, cache)
             return jnp.concatenate([x for x, _ in parts]), cache
-        for layer in self.layers:
-            h, cache = layer.decode(h, batch, cache)
-        return h, cache
+        return self._run_layers("decode", h, batch, cache)
 
     def logits(self, h):
         return self.lm_head(self.norm(h), jnp.float32)
