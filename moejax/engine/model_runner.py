@@ -110,11 +110,17 @@ def _feed(prev, rows, host):
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One program of the precompiled set: a jitted function and the arguments (abstract or host zeros of
-    the right shapes) it will be called with; ``sample_rows``: a model step's logits rows (the sampler's)."""
+    the right shapes) it will be called with, or a function that makes them when first needed (a sampler's:
+    its logits' shape is its step's output, known once the step is traced); ``sample_rows``: a model step's
+    logits rows (the sampler's)."""
     label: str
     fn: object
-    args: tuple
+    make_args: object
     sample_rows: int | None = None
+
+    @functools.cached_property
+    def args(self) -> tuple:
+        return self.make_args() if callable(self.make_args) else self.make_args
 
     def out_info(self):
         """The outputs' shapes and dtypes (a trace, which ``lower`` then reuses: jit caches it)."""
@@ -365,16 +371,19 @@ class ModelRunner:
                                    lp(B * S), sample_rows=B)
                  for B, S in self.buckets.paged_shapes()]
         steps = decode + prefill + paged
-        # The sampler takes each step's logits: one program per (rows, mode), rows shared between steps.
-        logits = {}
-        for p in steps:  # one trace a rows size here: the other steps are traced by their lower(), beside a build
-            if p.sample_rows not in logits:
-                info = p.out_info()[1]
-                logits[p.sample_rows] = self.abstract(info.shape, info.dtype)
-        sample = [Program(f"sample rows={rows} {m}", self._sample,
-                          (sds, *self.arrays.sampling([[]] * N, rows), i32(rows), m,
-                           *self.controls.abstract(m, rows)))
-                  for rows, sds in logits.items() for m in self.buckets.sample_modes()]
+        # The sampler takes each step's logits: one program per (rows, mode), rows shared between steps. Its
+        # arguments are made when first needed: by then precompile has lowered the step (the logits' shape from
+        # that trace, which jit keeps), so no step is traced here, before the first compile can start.
+        first = {}
+        for p in steps:
+            first.setdefault(p.sample_rows, p)
+
+        def sampler_args(step, rows, m):
+            info = step.out_info()[1]
+            return (self.abstract(info.shape, info.dtype), *self.arrays.sampling([[]] * N, rows), i32(rows), m,
+                    *self.controls.abstract(m, rows))
+        sample = [Program(f"sample rows={rows} {m}", self._sample, functools.partial(sampler_args, step, rows, m))
+                  for rows, step in first.items() for m in self.buckets.sample_modes()]
         prev = self.abstract((N, self.buckets.max_decode_batch), jnp.int32)
         feed = [Program(f"feed B={B}", self._feed, (prev, i32(B), i32(B)))
                 for B in sorted({b for b, _ in self.buckets.decode_shapes()})] if own_decode else []

@@ -92,13 +92,19 @@ def build(runner, progress: bool = True, threads: int | None = None) -> dict:
     bar = tqdm(total=total, desc="Compiling programs", unit="prog", disable=not progress)
     done = [0]
 
+    # The executable cache's writes (serialize, check, write: ~0.04 s a model step on CPU) in a thread of their
+    # own, off the compile worker, which is start-up's critical path on CPU (BENCHMARKS.md 2026-12-08 start-up
+    # (CPU)); every one is done (its program installed) before build returns.
+    storer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moejax-store") if cache is not None else None
+    stores = []
+
     def compile_one(program, lowered):
         t = time.perf_counter()
         compiled = lowered.compile()
-        if cache is not None:
-            executable_set.store_program(runner, cache, program, compiled)
         done[0] += 1
         log.info("compiled %s in %.2f s (%d/%d)", program.label, time.perf_counter() - t, done[0], total)
+        if storer is not None:
+            stores.append(storer.submit(executable_set.store_program, runner, cache, program, compiled))
         bar.update(1)
         return compiled
 
@@ -115,6 +121,10 @@ def build(runner, progress: bool = True, threads: int | None = None) -> dict:
         for f in [pool.submit(compile_one, p, p.lower()) for p in programs if not loaded(p)]:
             f.result()
     bar.close()
+    if storer is not None:
+        storer.shutdown()
+        for f in stores:
+            f.result()
     if cache is not None:
         executable_set.store_manifest(runner, cache, programs)
         log.info("executable cache %s: %s", cache.dir, cache.summary())
