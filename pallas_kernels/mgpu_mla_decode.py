@@ -199,6 +199,9 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             l0 = cast(jnp.zeros((HEADS,), f32), plgpu.Layout.WGMMA.reduce(1))
             acc0 = tuple(cast(jnp.zeros((HEADS, 64), f32), plgpu.Layout.WGMMA) for _ in range(chunks))
             ones = cast(jnp.ones((HEADS, SCALE_BOX), dt), plgpu.Layout.WGMMA) if fp8 else None
+            # An untiled buffer read in the layout the tiled stores take (the interpreter has no layouts).
+            load = (lambda r: r[...]) if interp else (
+                lambda r: plgpu.load(r, (), layout=plgpu.Layout.WGMMA, optimized=False))
 
             def mma(acc, a, b, a2=None, b2=None):
                 """acc + a @ b (+ a2 @ b2) in float32; with ``acc`` None the scores a @ b.T (+ a2 @ b2.T),
@@ -229,10 +232,10 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                     for src, dst in widen:
                         for c0 in range(0, src.shape[-1], 128):  # 128 columns at a time: registers
                             w = min(128, src.shape[-1] - c0)
-                            dst[0, :, pl.ds(c0, w)] = src[0, :, pl.ds(c0, w)].astype(dt)
-                    byte = lax.bitcast_convert_type(r_sc[0], jnp.uint8).astype(jnp.int32)
-                    col = lax.broadcasted_iota(jnp.int32, byte.shape, 1)
-                    k_sc[role] = jnp.where(col == 0, jnp.exp2((byte - 127).astype(f32)), 0.0).astype(dt)
+                            dst[0, :, pl.ds(c0, w)] = load(src.at[0, :, pl.ds(c0, w)]).astype(f32).astype(dt)
+                    # [scale | 0...]: the padding bytes after a row's scale byte are zeros, and give 0 here.
+                    byte = lax.bitcast_convert_type(load(r_sc.at[0]), jnp.uint8).astype(f32)
+                    k_sc[role] = jnp.where(byte > 0.5, jnp.exp2(byte - 127.0), 0.0).astype(dt)
                     plgpu.commit_smem()  # the widened tiles, written by threads, read by wgmma
                     pl.when(tile + 1 < n_tiles)(lambda: plgpu.barrier_arrive(k_free.at[0]))
                     # Every token's scale in the scores' layout: ones [64, 16] @ [scale | 0...]^T.
@@ -322,8 +325,9 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             plgpu.SMEM((HEADS,), jnp.float32),
         )
         if fp8:  # the raw rows' slot and each compute warpgroup's [scale | 0...] tile
-            smem += (tile(1, Ch, FP8), tile(1, Ch, FP8), tile(1, R, FP8), plgpu.SMEM((1, bt, SCALE_BOX), FP8),
-                     tile(2, SCALE_BOX))
+            # Raw rows untiled: a swizzled TMA needs the row (592 bytes) in whole 128-byte tiles.
+            smem += (plgpu.SMEM((1, bt, Ch), FP8), plgpu.SMEM((1, bt, Ch), FP8), plgpu.SMEM((1, bt, R), FP8),
+                     plgpu.SMEM((1, bt, SCALE_BOX), FP8), tile(2, SCALE_BOX))
         barriers = (
             plgpu.Barrier(num_arrivals=3),
             plgpu.Barrier(num_arrivals=(4 if fp8 else 3) * pages_a_tile, num_barriers=raw_stages),
@@ -339,7 +343,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
         entry,
         out_type=(jax.ShapeDtypeStruct((B, S, H, C), o_dtype), jax.ShapeDtypeStruct((B, S, H), jnp.float32)),
         grid=(H // HEADS, S, B), grid_names=("h", "s", "b"), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interpret_params(interpret))
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0), interpret=_interpret_params(interpret))
     o, lse = kernel(q_latent.astype(dt), q_rope.astype(dt), cache4, block_tables.astype(jnp.int32),
                     seq_lens.astype(jnp.int32))
     return combine_splits(o, lse, out_dtype)

@@ -83,3 +83,22 @@ def test_shared_memory_fits_hopper():
     assert smem_bytes(512, 64, 64, 2) <= 227 * 1024
     assert smem_bytes(512, 64, 64, 3) > 227 * 1024  # why a third slot is not offered
     assert smem_bytes(512, 64, 64, 1, fp8=True) <= 227 * 1024
+
+
+@pytest.mark.parametrize("kv,splits", [("bf16", 1), ("fp8", 2)])
+def test_lowers_for_cuda_at_deepseek_shapes(kv, splits, monkeypatch):
+    """Mosaic GPU's lowering (its shared-memory budget, TMA box and layout rules) at DeepSeek-V3's shapes, on
+    this machine: lowered for CUDA, not compiled or run (the device test does that)."""
+    import functools
+
+    import pallas_kernels.mgpu_mla_decode as m
+    monkeypatch.setattr(m, "platform", lambda: "cuda")
+    B, H, C, R, bs, nb = 2, 128, 512, 64, 16, 8
+    cache = jax.ShapeDtypeStruct((1, B * nb * bs, 576 if kv == "bf16" else 592),
+                                 BF16 if kv == "bf16" else jnp.float8_e4m3fn)
+    args = (jax.ShapeDtypeStruct((B, H, C), BF16), jax.ShapeDtypeStruct((B, H, R), BF16), cache,
+            jax.ShapeDtypeStruct((B, nb), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
+    f = jax.jit(functools.partial(mgpu_mla_decode, block_size=bs, scale=0.1, layer=0, out_dtype=BF16,
+                                  num_splits=splits, interpret=False))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -21,6 +21,6 @@ fi
 #    in one run (the "selected" row is now mgpu with its own splits).
 GM='[{"tile":["gather"],"block_h":[32],"block_t":[64],"num_warps":[4],"num_stages":[3]},{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[64],"num_stages":[2],"num_splits":[1,2]}]'
 if [ "$PH" = b ]; then
-run pytest 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -n0 -p no:cacheprovider -o addopts="" tests/test_mgpu_mla_decode.py
+run pytest 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -n0 -p no:cacheprovider -o addopts="" tests/test_mgpu_mla_decode.py
 run mla128 240 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv bf16 fp8 --sweep --sweep-kv bf16 fp8 --grid "$GM"
 fi
