@@ -1,7 +1,8 @@
 """Start-up compilation of the runner's precompiled set (ModelRunner.precompile_programs), so that no
 request compiles anything: each program loaded from the executable cache (moejax/executable_cache.py,
 engine/executable_set.py) where its entry is current, else traced here and compiled by XLA in
-``threads`` threads (``default_threads``; tracing, which holds Python, overlaps the compiles, on CPU too); one log line a
+``threads`` threads (``default_threads``; tracing, which holds Python, overlaps the compiles, on CPU too, with
+``lowering_threads`` of them at work until it is done); one log line a
 program ("compiled LABEL in S s (i/n)" / "loaded ...": scripts/bench_startup.py reads them), one line
 for the cache's hits and misses, and with ``print_programs`` the whole set with why each program exists.
 """
@@ -12,9 +13,9 @@ import concurrent.futures
 import logging
 import os
 import re
+import threading
 import time
 
-import jax
 from tqdm.auto import tqdm
 
 from moejax import compilation
@@ -40,14 +41,20 @@ WHY = {
 
 
 def default_threads() -> int:
-    """Compile threads: $MOEJAX_COMPILE_THREADS, else on a GPU the CPU count (at most 8: a program takes
-    seconds to minutes there), on CPU one (beside the tracing thread: XLA:CPU's own codegen threads already
-    take the cores; two compile threads on a 2-core machine were slower, BENCHMARKS.md 2026-12-07b start-up
-    (CPU))."""
+    """Compile threads: $MOEJAX_COMPILE_THREADS, else the CPU count (at most 8: a program takes seconds to
+    minutes on a GPU). While programs are still being traced, ``lowering_threads`` of them compile."""
     env = os.environ.get("MOEJAX_COMPILE_THREADS")
     if env:
         return int(env)
-    return 1 if jax.default_backend() == "cpu" else min(8, os.cpu_count() or 1)
+    return min(8, os.cpu_count() or 1)
+
+
+def lowering_threads(threads: int) -> int:
+    """Compile threads at work while the calling thread still traces and lowers programs: one core left to
+    it (on a 2-core CPU one compile beside the tracing, both cores compiling once it is done: a second
+    compile beside the tracing thread made every build ~2x slower there, BENCHMARKS.md 2026-12-07b and
+    2026-12-08 start-up (CPU))."""
+    return max(1, min(threads, (os.cpu_count() or 1) - 1))
 
 
 def describe(labels: list[str]) -> list[str]:
@@ -98,9 +105,12 @@ def build(runner, progress: bool = True, threads: int | None = None) -> dict:
     storer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moejax-store") if cache is not None else None
     stores = []
 
+    gate = threading.Semaphore(lowering_threads(threads))  # the compile workers allowed to run now
+
     def compile_one(program, lowered):
-        t = time.perf_counter()
-        compiled = lowered.compile()
+        with gate:
+            t = time.perf_counter()
+            compiled = lowered.compile()
         done[0] += 1
         log.info("compiled %s in %.2f s (%d/%d)", program.label, time.perf_counter() - t, done[0], total)
         if storer is not None:
@@ -115,10 +125,14 @@ def build(runner, progress: bool = True, threads: int | None = None) -> dict:
         bar.update(1)
         return True
 
-    # Traced and lowered here, compiled in the pool (one worker on CPU): Python's tracing of the next
-    # programs runs beside XLA's build of this one (BENCHMARKS.md 2026-12-07e start-up (CPU)).
+    # Traced and lowered here, compiled in the pool: Python's tracing of the next programs runs beside XLA's
+    # builds (BENCHMARKS.md 2026-12-07e start-up (CPU)); once every program is lowered, all the pool's workers
+    # compile.
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="moejax-compile") as pool:
-        for f in [pool.submit(compile_one, p, p.lower()) for p in programs if not loaded(p)]:
+        futures = [pool.submit(compile_one, p, p.lower()) for p in programs if not loaded(p)]
+        for _ in range(threads - lowering_threads(threads)):
+            gate.release()
+        for f in futures:
             f.result()
     bar.close()
     if storer is not None:
