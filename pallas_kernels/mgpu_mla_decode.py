@@ -197,7 +197,9 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             cast = (lambda x, _: x) if interp else plgpu.layout_cast
             m0 = cast(jnp.full((HEADS,), -1e30, f32), plgpu.Layout.WGMMA.reduce(1))
             l0 = cast(jnp.zeros((HEADS,), f32), plgpu.Layout.WGMMA.reduce(1))
-            acc0 = tuple(cast(jnp.zeros((HEADS, 64), f32), plgpu.Layout.WGMMA) for _ in range(chunks))
+            # The context half as one accumulator: one wgmma of 256 columns a tile (four of 64 waited for
+            # one after another were slower).
+            acc0 = cast(jnp.zeros((HEADS, Ch), f32), plgpu.Layout.WGMMA)
             ones = cast(jnp.ones((HEADS, SCALE_BOX), dt), plgpu.Layout.WGMMA) if fp8 else None
             # An untiled buffer read in the layout the tiled stores take (the interpreter has no layouts).
             load = (lambda r: r[...]) if interp else (
@@ -222,12 +224,11 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                 return pl.run_state(lambda r: plgpu.wgmma(r, a, b))(plgpu.ACC.init(acc))
 
             def tile_step(tile, carry):
-                m, l, accs = carry
+                m, l, acc = carry
                 slot = lax.rem(tile, raw_stages)
                 plgpu.barrier_wait(k_bar.at[slot])
                 row_scale = None
-                if fp8:
-                    slot = 0  # the widened tile's
+                if fp8:  # slot is 0, the raw rows' and the widened tile's (kept traced: the lowering wants it so)
                     widen = [(r_lo if role == 0 else r_hi, k_half)] + ([(r_rp, k_rp)] if role == 0 else [])
                     for src, dst in widen:
                         for c0 in range(0, src.shape[-1], 128):  # 128 columns at a time: registers
@@ -265,25 +266,21 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                 p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 p16 = (p if row_scale is None else p * row_scale).astype(dt)
-                new = []
-                for c in range(chunks):
-                    a = accs[c] * lax.broadcast_in_dim(alpha, (HEADS, 64), [0])
-                    new.append(mma(a, p16, k_half.at[slot, :, pl.ds(c * 64, 64)]))
+                acc = mma(acc * lax.broadcast_in_dim(alpha, (HEADS, Ch), [0]), p16, k_half.at[slot])
                 # Every arrival is waited for (the interpreter checks it): the last num_stages tiles free no
                 # slot to refill.
                 if not fp8:
                     pl.when(tile + num_stages < n_tiles)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
-                return m_new, l, tuple(new)
+                return m_new, l, acc
 
-            m, l, accs = lax.fori_loop(0, n_tiles, tile_step, (m0, l0, acc0))
+            m, l, acc = lax.fori_loop(0, n_tiles, tile_step, (m0, l0, acc0))
             has = l > 0
             inv = 1.0 / jnp.where(has, l, 1.0)
             col0 = role * Ch
-            out = [accs[c] * lax.broadcast_in_dim(inv, (HEADS, 64), [0]) for c in range(chunks)]
+            out = acc * lax.broadcast_in_dim(inv, (HEADS, Ch), [0])
             if stage_bf16:
                 q_half = q_lo if role == 0 else q_hi  # this warpgroup's own query half, read for the last time
-                for c in range(chunks):
-                    q_half[:, pl.ds(c * 64, 64)] = out[c].astype(dt)
+                q_half[...] = out.astype(dt)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(q_half, o_ref.at[b, s, pl.ds(h0, HEADS), pl.ds(col0, Ch)])
             else:  # float32 through the exchange buffer, 64 columns at a time: 0's once 1 has read it, then 1's
@@ -293,7 +290,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                 else:
                     plgpu.barrier_wait(x_done.at[0])
                 for c in range(chunks):
-                    xch[...] = out[c]
+                    xch[...] = out[:, c * 64:(c + 1) * 64]
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(xch, o_ref.at[b, s, pl.ds(h0, HEADS), pl.ds(col0 + c * 64, 64)])
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

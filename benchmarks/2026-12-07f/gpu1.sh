@@ -21,6 +21,9 @@ fi
 #    in one run (the "selected" row is now mgpu with its own splits).
 GM='[{"tile":["gather"],"block_h":[32],"block_t":[64],"num_warps":[4],"num_stages":[3]},{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[64],"num_stages":[2],"num_splits":[1,2]}]'
 if [ "$PH" = b ]; then
-run pytest 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -n0 -p no:cacheprovider -o addopts="" tests/test_mgpu_mla_decode.py
-run mla128 240 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv bf16 fp8 --sweep --sweep-kv bf16 fp8 --grid "$GM"
+run pytest 100 env JAX_PLATFORMS=cuda python3 -m pytest -q -n0 -p no:cacheprovider -o addopts="" tests/test_mgpu_mla_decode.py
+run mla128 150 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv bf16 fp8 --sweep --sweep-kv bf16 fp8 --grid "$GM"
+for K in mgpu pallas; do  # the node's step (FP8 weights, bf16 cache), MLA on the new kernel and on the one selected before
+run step_$K 130 env MOEJAX_MLA_KERNEL=$K python3 scripts/bench_decode.py --preset deepseek-v3-ep8-rank --layers 4 --concurrency 512 --input-len 2048 --fill random --kernels auto --weight-dtype fp8 --steps 10
+done
 fi
