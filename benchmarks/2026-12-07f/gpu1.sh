@@ -27,3 +27,12 @@ for K in mgpu pallas; do  # the node's step (FP8 weights, bf16 cache), MLA on th
 run step_$K 130 env MOEJAX_MLA_KERNEL=$K python3 scripts/bench_decode.py --preset deepseek-v3-ep8-rank --layers 4 --concurrency 512 --input-len 2048 --fill random --kernels auto --weight-dtype fp8 --steps 10
 done
 fi
+# c: the selection's other points: 128 heads x 16 / 64 sequences x 2048 / 8192 (bf16; mgpu with its own splits
+#    against the kernels selected before), and the node's step at 197 sequences (what fits 8x H200).
+GC='[{"tile":["gather"],"block_h":[32],"block_t":[64],"num_warps":[4],"num_stages":[3]},{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[64],"num_stages":[2],"num_splits":[2,4,8]}]'
+if [ "$PH" = c ]; then
+run mla128s 200 python3 scripts/bench_kernels.py --only mla --batch 16 64 --context 2048 8192 --heads 128 --kv bf16 --sweep --sweep-kv bf16 --grid "$GC"
+for K in mgpu pallas; do
+run step197_$K 110 env MOEJAX_MLA_KERNEL=$K python3 scripts/bench_decode.py --preset deepseek-v3-ep8-rank --layers 4 --concurrency 197 --input-len 2048 --fill random --kernels auto --weight-dtype fp8 --steps 10
+done
+fi

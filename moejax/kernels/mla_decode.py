@@ -46,7 +46,11 @@ def mla_kernel(heads: int, latent: int, rope: int, cache_dtype, rows: int = 1) -
 
 def mgpu_fits(heads: int, latent: int, rope: int, cache_dtype, block_size: int = 16) -> bool:
     """The Mosaic GPU kernel's shapes (pallas_kernels/mgpu_mla_decode.check_shapes): 64-head CTAs over a bf16
-    cache, pages that tile its 64 tokens."""
+    cache, pages that tile its 64 tokens. Not FP8 caches yet: on jax 0.11.2 the widening's register load makes
+    the raw rows' buffer tiled in 128 bytes, which a 592-byte row cannot be copied into (BENCHMARKS.md,
+    2026-12-07f)."""
+    if paged_decode.fp8_cache(cache_dtype):
+        return False
     try:
         mgpu.check_shapes(heads, latent, rope, 64, block_size, cache_dtype, jnp.bfloat16)
     except ValueError:
