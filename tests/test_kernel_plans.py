@@ -131,3 +131,28 @@ def test_layer_entry_points_return_arrays(mode):
                                                          scale=0.25)))
     for shape, y in got:
         assert isinstance(y, jax.Array) and y.shape == shape and bool(jnp.isfinite(y).all()), (shape, y)
+
+
+def test_mla_on_hopper_takes_the_mosaic_gpu_kernel_for_bf16_caches(monkeypatch):
+    """The rule added 2026-12-07f (outside the recorded grid, whose CPU-simulated cases see no Hopper): on a
+    Hopper GPU, MLA decode over a bf16 cache with a multiple of 64 heads runs mgpu_mla_decode (its splits
+    filling the GPU at small batch); an FP8 cache keeps Triton; 16 heads keep Pallas; an override still wins."""
+    from pallas_kernels import mgpu_mla_decode
+    monkeypatch.setattr(common, "platform", lambda: "cuda")
+    monkeypatch.setattr(common, "hopper", lambda: True)
+    monkeypatch.setattr(mgpu_mla_decode, "available", lambda: (True, ""))
+    monkeypatch.setattr(jax_triton_compat, "available", lambda: (True, ""))
+    monkeypatch.delenv(common.MLA_KERNEL_ENV, raising=False)
+    bf16, fp8 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)
+    p = mla_decode.plan(197, 128, 512, 64, 2048, 16, bf16)
+    assert (p.path, p.params) == ("mgpu", {"block_t": 64, "num_stages": 2, "num_splits": 1})
+    assert mla_decode.plan(16, 128, 512, 64, 8192, 16, bf16).params["num_splits"] > 1
+    assert mla_decode.plan(197, 128, 512, 64, 2048, 16, fp8).path == "triton"
+    assert mla_decode.plan(256, 16, 512, 64, 2048, 16, bf16).path == "pallas"
+    assert mla_decode.plan(197, 128, 512, 64, 2048, 64, bf16).path == "mgpu"  # 64-token pages: one a tile
+    assert mla_decode.plan(197, 128, 512, 64, 2048, 128, bf16).path != "mgpu"  # a page bigger than a tile
+    monkeypatch.setenv(common.MLA_KERNEL_ENV, "triton")
+    assert mla_decode.plan(197, 128, 512, 64, 2048, 16, bf16).path == "triton"
+    monkeypatch.setattr(common, "hopper", lambda: False)  # Ampere / ROCm: no Mosaic GPU kernel
+    monkeypatch.delenv(common.MLA_KERNEL_ENV)
+    assert mla_decode.plan(197, 128, 512, 64, 2048, 16, bf16).path == "pallas"
