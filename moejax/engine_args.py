@@ -236,7 +236,8 @@ class EngineArgs:
         "the W8A8 dense projections' kernel from DENSE_W8A8_ROWS rows: pallas, triton, or cublaslt (any row "
         "count)", W8A8_DENSE_KERNELS, "fp8_gemm.py: dense_w8a8_kernel")
     mla_kernel: str = kernel_choice(
-        "MLA decode's kernel on a GPU: triton (64+ heads over an FP8 cache on CUDA, the default there) or pallas",
+        "MLA decode's kernel on a GPU: mgpu (Mosaic GPU; 64-head multiples over a bf16 cache on Hopper, the default "
+        "there), triton (64+ heads over an FP8 cache on CUDA, the default there) or pallas",
         MLA_KERNELS, "mla_decode.py: mla_kernel")
     fp8_fast_accum: bool = switch(
         triton_fp8_dots.DEFAULT, "FP8 x FP8 dots of the Pallas kernels on Hopper's wgmma (Triton's own FP8 default; "
