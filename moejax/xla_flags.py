@@ -19,7 +19,7 @@ time and compile time is in BENCHMARKS.md, "2026-12-07b start-up (CPU)"):
   fusions.
 - ``--xla_cpu_parallel_codegen_split_count=1`` (jaxlib 0.10 only, as above): a program's LLVM module compiled as one
   module, not split into 32 for a thread pool: on 2 cores a model step of the tiny default compiles in ~25%
-  less time (BENCHMARKS.md "2026-12-08 start-up (CPU)"); the same machine code, only how it is partitioned.
+  less time (BENCHMARKS.md "2026-12-07f start-up (CPU)"); the same machine code, only how it is partitioned.
 
 A value the user already set in XLA_FLAGS wins; once a backend exists, XLA has read its flags and this
 changes nothing (a warning says so).

@@ -22,7 +22,7 @@ big program is a whole-model compile:
 - sampling runs in its own small program per (batch rows, SampleMode), apart from the model step.
 
 Where a program's compile costs more than a coarser bucket's padding (``compile_bound``: XLA:CPU, the tiny
-default, tests, CI; BENCHMARKS.md "2026-12-07c start-up (CPU)", "2026-12-08 start-up (CPU)"): two decode
+default, tests, CI; BENCHMARKS.md "2026-12-07c start-up (CPU)", "2026-12-07f start-up (CPU)"): two decode
 widths, the longest and a quarter of it; paged chunk lengths a factor of 4 apart (16, 64, 256, ..., and the
 longest); every step's rows (the decode batch, a packed prefill's prompts, a wide paged prefill's chunks:
 the sampler's rows too) a power of 4 (1, 4, 16, ..., and the largest), the wide paged batch rounded down

@@ -53,7 +53,7 @@ def lowering_threads(threads: int) -> int:
     """Compile threads at work while the calling thread still traces and lowers programs: one core left to
     it (on a 2-core CPU one compile beside the tracing, both cores compiling once it is done: a second
     compile beside the tracing thread made every build ~2x slower there, BENCHMARKS.md 2026-12-07b and
-    2026-12-08 start-up (CPU))."""
+    2026-12-07f start-up (CPU))."""
     return max(1, min(threads, (os.cpu_count() or 1) - 1))
 
 
@@ -100,7 +100,7 @@ def build(runner, progress: bool = True, threads: int | None = None) -> dict:
     done = [0]
 
     # The executable cache's writes (serialize, check, write: ~0.04 s a model step on CPU) in a thread of their
-    # own, off the compile worker, which is start-up's critical path on CPU (BENCHMARKS.md 2026-12-08 start-up
+    # own, off the compile worker, which is start-up's critical path on CPU (BENCHMARKS.md 2026-12-07f start-up
     # (CPU)); every one is done (its program installed) before build returns.
     storer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moejax-store") if cache is not None else None
     stores = []

@@ -23,7 +23,7 @@ from moejax.parallel.dispatch import ExpertParallel
 def scan_layers(ep: ExpertParallel) -> bool:
     """Whether CausalLM runs its identical MoE layers as one ``lax.scan`` (``CausalLM._scan``): on XLA:CPU
     only, where a step's compile time is its cost (the tiny default's start-up, tests, CI: its two MoE layers
-    as one take 15-20% off a step's build, BENCHMARKS.md "2026-12-08 start-up (CPU)"), on XLA's own paths (not the Pallas
+    as one take 15-20% off a step's build, BENCHMARKS.md "2026-12-07f start-up (CPU)"), on XLA's own paths (not the Pallas
     kernels a test forces there: they take the layer as a static argument); experts local and no dual-batch
     overlap (one layer's computation a scan step). Elsewhere the layers stay unrolled: GPU programs, their
     numerics and speed, are unchanged."""
