@@ -32,6 +32,7 @@ fi
 GC='[{"tile":["gather"],"block_h":[32],"block_t":[64],"num_warps":[4],"num_stages":[3]},{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[64],"num_stages":[2],"num_splits":[2,4,8]}]'
 if [ "$PH" = c ]; then
 run mla128s 200 python3 scripts/bench_kernels.py --only mla --batch 16 64 --context 2048 8192 --heads 128 --kv bf16 --sweep --sweep-kv bf16 --grid "$GC"
+run compile_27 150 python3 scripts/bench_decode.py --preset deepseek-v2-lite --concurrency 256 --input-len 2000 --output-len 16 --steps 3 --warmup 1 --fill random --kv-dtype fp8 --kernels auto --compile-time
 for K in mgpu pallas; do
 run step197_$K 110 env MOEJAX_MLA_KERNEL=$K python3 scripts/bench_decode.py --preset deepseek-v3-ep8-rank --layers 4 --concurrency 197 --input-len 2048 --fill random --kernels auto --weight-dtype fp8 --steps 10
 done

@@ -128,8 +128,14 @@ def build(runner, progress: bool = True, threads: int | None = None) -> dict:
     # Traced and lowered here, compiled in the pool: Python's tracing of the next programs runs beside XLA's
     # builds (BENCHMARKS.md 2026-12-07e start-up (CPU)); once every program is lowered, all the pool's workers
     # compile.
+    def lower(program):  # timed apart from the build: on a GPU whichever of the two is start-up's bound
+        t = time.perf_counter()
+        lowered = program.lower()
+        log.info("lowered %s in %.2f s", program.label, time.perf_counter() - t)
+        return lowered
+
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="moejax-compile") as pool:
-        futures = [pool.submit(compile_one, p, p.lower()) for p in programs if not loaded(p)]
+        futures = [pool.submit(compile_one, p, lower(p)) for p in programs if not loaded(p)]
         for _ in range(threads - lowering_threads(threads)):
             gate.release()
         for f in futures:
