@@ -34,6 +34,17 @@ from pallas_kernels.compat import interpret_mode, platform
 LOG2E = 1.4426950408889634
 FP8 = jnp.float8_e4m3fn
 SCALE_BOX = 16  # bytes copied for an FP8 row's scale byte (and its zero padding): TMA's smallest box row
+FP8_ROW_ALIGN = 128  # an FP8 row's bytes, for the swizzled copies of its latent halves
+
+
+def fp8_row_dim(kv_dim: int) -> int:
+    """The FP8 cache row this kernel reads: kv_quant's layout (values, scale byte, zero padding) padded to
+    whole 128-byte tiles (DeepSeek-V3: 640 bytes, kv_quant's own 592 + 8%)."""
+    return -(-(kv_dim + SCALE_BOX) // FP8_ROW_ALIGN) * FP8_ROW_ALIGN
+
+
+def interpret_mode_for(interpret) -> bool:
+    return interpret_mode() if interpret is None else bool(interpret)
 HEADS = 64  # heads a CTA: one wgmma M tile a compute warpgroup
 
 
@@ -100,6 +111,10 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
     if D < C + R + (SCALE_BOX if fp8 else 0):
         raise ValueError(f"cache: rows of {D} cannot hold latent {C} + rope {R}"
                          f"{f' + the scale byte and its padding ({SCALE_BOX})' if fp8 else ''}")
+    if fp8 and not interpret_mode_for(interpret) and D % FP8_ROW_ALIGN:
+        # Mosaic tiles the cache's rows in the copies' swizzle (up to 128 bytes): an FP8 row must be whole tiles.
+        raise ValueError(f"cache: FP8 rows of {D} bytes; the Mosaic GPU kernel copies rows of a multiple of "
+                         f"{FP8_ROW_ALIGN} bytes (kv_quant's row width rounded up: fp8_row_dim)")
     if slots % block_size:
         raise ValueError(f"cache: {slots} slots are not whole blocks of {block_size}")
     if not 0 <= layer < L:
@@ -202,7 +217,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             acc0 = cast(jnp.zeros((HEADS, Ch), f32), plgpu.Layout.WGMMA)
             ones = cast(jnp.ones((HEADS, SCALE_BOX), dt), plgpu.Layout.WGMMA) if fp8 else None
             # An untiled buffer read in the layout the tiled stores take (the interpreter has no layouts).
-            load = (lambda r: r[...]) if interp else (
+            load = (lambda r: r[...]) if interp else (  # the untiled scale box in the layout tiled stores take
                 lambda r: plgpu.load(r, (), layout=plgpu.Layout.WGMMA, optimized=False))
 
             def mma(acc, a, b, a2=None, b2=None):
@@ -233,7 +248,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                     for src, dst in widen:
                         for c0 in range(0, src.shape[-1], 128):  # 128 columns at a time: registers
                             w = min(128, src.shape[-1] - c0)
-                            dst[0, :, pl.ds(c0, w)] = load(src.at[0, :, pl.ds(c0, w)]).astype(f32).astype(dt)
+                            dst[0, :, pl.ds(c0, w)] = src[0, :, pl.ds(c0, w)].astype(f32).astype(dt)
                     # [scale | 0...]: the padding bytes after a row's scale byte are zeros, and give 0 here.
                     byte = lax.bitcast_convert_type(load(r_sc.at[0]), jnp.uint8).astype(f32)
                     k_sc[role] = jnp.where(byte > 0.5, jnp.exp2(byte - 127.0), 0.0).astype(dt)
@@ -322,9 +337,9 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             plgpu.SMEM((HEADS,), jnp.float32),
         )
         if fp8:  # the raw rows' slot and each compute warpgroup's [scale | 0...] tile
-            # Raw rows untiled: a swizzled TMA needs the row (592 bytes) in whole 128-byte tiles.
-            smem += (plgpu.SMEM((1, bt, Ch), FP8), plgpu.SMEM((1, bt, Ch), FP8), plgpu.SMEM((1, bt, R), FP8),
-                     plgpu.SMEM((1, bt, SCALE_BOX), FP8), tile(2, SCALE_BOX))
+            # Raw rows tiled as the swizzled copies write them (fp8_row_dim: whole 128-byte tiles a row).
+            smem += (tile(1, Ch, FP8), tile(1, Ch, FP8), tile(1, R, FP8), plgpu.SMEM((1, bt, SCALE_BOX), FP8),
+                     tile(2, SCALE_BOX))
         barriers = (
             plgpu.Barrier(num_arrivals=3),
             plgpu.Barrier(num_arrivals=(4 if fp8 else 3) * pages_a_tile, num_barriers=raw_stages),

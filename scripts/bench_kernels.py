@@ -38,7 +38,7 @@ from pallas_kernels.fused_moe import fused_moe  # noqa: E402
 from pallas_kernels.jax_triton_compat import available as triton_available  # noqa: E402
 from pallas_kernels.triton_block_fp8 import fused_moe_triton  # noqa: E402
 from pallas_kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
-from pallas_kernels.mgpu_mla_decode import mgpu_mla_decode  # noqa: E402
+from pallas_kernels.mgpu_mla_decode import fp8_row_dim, mgpu_mla_decode  # noqa: E402
 from pallas_kernels.triton_mla_decode import triton_mla_decode  # noqa: E402
 
 BF16 = jnp.bfloat16
@@ -220,8 +220,11 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
             kname = c.pop("kernel", "pallas")
             fn = {"triton": triton_mla_decode, "mgpu": mgpu_mla_decode}.get(kname, paged_decode_attention)
             f = jax.jit(functools.partial(fn, block_size=bs, scale=MLA_SCALE, layer=0, **c, interpret=interpret))
+            rows = cache
+            if kname == "mgpu" and kv == "fp8":  # its FP8 rows: kv_quant's, zero-padded to whole 128-byte tiles
+                rows = jnp.pad(cache, ((0, 0), (0, 0), (0, fp8_row_dim(C + R) - cache.shape[-1])))
             try:
-                t_p = bench(f, ql, qr, cache, bt, lens)
+                t_p = bench(f, ql, qr, rows, bt, lens)
             except Exception as e:
                 print(f"{kv:>5} {B:>4}  config {c} failed: {type(e).__name__}: {str(e)[:120]}")
                 continue

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.mgpu_mla_decode import mgpu_mla_decode, smem_bytes
+from pallas_kernels.mgpu_mla_decode import fp8_row_dim, mgpu_mla_decode, smem_bytes
 from test_kernels import BF16, fresh_key_seed, mla_inputs, mla_reference, rel_err, stored_cache
 
 ON_HOPPER = jax.default_backend() == "gpu" and "H100" in jax.devices()[0].device_kind or \
@@ -24,6 +24,8 @@ def _check(kv, B, H, C, R, block_size, nb, lens, block_t, stages, splits, interp
     lens = jnp.asarray(lens, jnp.int32)
     scale = 1.2 / (C + R) ** 0.5
     cache, stored = stored_cache(values, kv, C + R)
+    if kv == "fp8" and not interpret:  # the compiled kernel's rows: kv_quant's, zero-padded to 128-byte tiles
+        cache = jnp.pad(cache, ((0, 0), (0, 0), (0, fp8_row_dim(C + R) - cache.shape[-1])))
     exact = mla_reference(ql, qr, stored, bt, lens, block_size, scale)
     kw = dict(block_size=block_size, scale=scale, layer=1, block_t=block_t, num_stages=stages, num_splits=splits,
               interpret=interpret)
@@ -61,6 +63,7 @@ def test_device_matches_reference(kv, B, H, nb, lens, block_t, stages, splits):
 
 def test_bad_arguments_name_the_field():
     q, qr = jnp.ones((1, 64, 128), BF16), jnp.ones((1, 64, 64), BF16)
+    assert fp8_row_dim(576) == 640 and fp8_row_dim(192) == 256
     cache = jnp.ones((2, 32, 192), BF16)
     bt, lens = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
     kw = dict(block_size=16, scale=0.1, layer=0, interpret=True)
@@ -72,6 +75,9 @@ def test_bad_arguments_name_the_field():
         mgpu_mla_decode(q, qr, cache.astype(jnp.float16), bt, lens, **kw)
     with pytest.raises(ValueError, match="scale byte"):  # FP8 rows without room for the scale's box
         mgpu_mla_decode(q, qr, cache.astype(jnp.float8_e4m3fn), bt, lens, **kw)
+    with pytest.raises(ValueError, match="multiple of 128 bytes"):  # kv_quant's 592-byte rows, compiled
+        mgpu_mla_decode(q, qr, jnp.ones((1, 32, 576 + 16), jnp.float8_e4m3fn), bt, lens,
+                        **dict(kw, interpret=False))
     with pytest.raises(ValueError, match="layer"):
         mgpu_mla_decode(q, qr, cache, bt, lens, **dict(kw, layer=2))
     with pytest.raises(ValueError, match="q_rope"):
@@ -94,7 +100,7 @@ def test_lowers_for_cuda_at_deepseek_shapes(kv, splits, monkeypatch):
     import pallas_kernels.mgpu_mla_decode as m
     monkeypatch.setattr(m, "platform", lambda: "cuda")
     B, H, C, R, bs, nb = 2, 128, 512, 64, 16, 8
-    cache = jax.ShapeDtypeStruct((1, B * nb * bs, 576 if kv == "bf16" else 592),
+    cache = jax.ShapeDtypeStruct((1, B * nb * bs, 576 if kv == "bf16" else fp8_row_dim(C + R)),
                                  BF16 if kv == "bf16" else jnp.float8_e4m3fn)
     args = (jax.ShapeDtypeStruct((B, H, C), BF16), jax.ShapeDtypeStruct((B, H, R), BF16), cache,
             jax.ShapeDtypeStruct((B, nb), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))

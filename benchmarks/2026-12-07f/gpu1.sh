@@ -37,3 +37,10 @@ for K in mgpu pallas; do
 run step197_$K 110 env MOEJAX_MLA_KERNEL=$K python3 scripts/bench_decode.py --preset deepseek-v3-ep8-rank --layers 4 --concurrency 197 --input-len 2048 --fill random --kernels auto --weight-dtype fp8 --steps 10
 done
 fi
+# d (next session): the FP8 path on rows padded to 640 bytes (fp8_row_dim): its device tests, then 128 heads x
+#    197 / 512 x 2048 FP8 against Triton (the kernel selected now), in one run.
+GD='[{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[64],"num_stages":[2],"num_splits":[1]}]'
+if [ "$PH" = d ]; then
+run pytest 100 env JAX_PLATFORMS=cuda python3 -m pytest -q -n0 -p no:cacheprovider -o addopts="" tests/test_mgpu_mla_decode.py
+run mla128fp8 150 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv fp8 --sweep --sweep-kv fp8 --grid "$GD"
+fi

@@ -46,9 +46,9 @@ def mla_kernel(heads: int, latent: int, rope: int, cache_dtype, rows: int = 1) -
 
 def mgpu_fits(heads: int, latent: int, rope: int, cache_dtype, block_size: int = 16) -> bool:
     """The Mosaic GPU kernel's shapes (pallas_kernels/mgpu_mla_decode.check_shapes): 64-head CTAs over a bf16
-    cache, pages that tile its 64 tokens. Not FP8 caches yet: on jax 0.11.2 the widening's register load makes
-    the raw rows' buffer tiled in 128 bytes, which a 592-byte row cannot be copied into (BENCHMARKS.md,
-    2026-12-07f)."""
+    cache, pages that tile its 64 tokens. Not FP8 caches yet: on jax 0.11.2 Mosaic tiles the rows' copies in
+    128 bytes, which kv_quant's 592-byte rows are not (BENCHMARKS.md, 2026-12-07f); the kernel takes rows padded
+    to 640 (mgpu_mla_decode.fp8_row_dim), not yet run on a GPU, and the cache keeps kv_quant's rows until it is."""
     if paged_decode.fp8_cache(cache_dtype):
         return False
     try:
