@@ -1,5 +1,5 @@
 """Mosaic GPU on this card and jax: the API surface the MLA kernel uses, and jax's own FA3 example's speed."""
-import functools, inspect, sys
+import functools, inspect
 import jax, jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 print("jax", jax.__version__, jax.devices()[0].device_kind)

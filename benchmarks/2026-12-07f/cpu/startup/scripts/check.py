@@ -1,5 +1,5 @@
 """Tokens and logprobs of the tiny default (a fixed mixed batch), and compile times of three programs."""
-import os, sys, time, json, hashlib
+import os, sys, time, hashlib
 sys.path.insert(0, os.getcwd())
 import moejax, jax, numpy as np
 from moejax.tiny.default_model import default_model_path

@@ -1,7 +1,7 @@
 import os, sys, time
 sys.path.insert(0, os.getcwd())
 t0 = time.perf_counter()
-import moejax, jax
+import moejax
 from moejax.tiny.default_model import default_model_path
 m = moejax.load(default_model_path(), progress=False, executable_cache_dir="off")
 t1 = time.perf_counter()

@@ -1,6 +1,6 @@
 import os, sys, time, pickle
 sys.path.insert(0, os.getcwd())
-import moejax, jax
+import moejax
 from moejax.tiny.default_model import default_model_path
 from jax.experimental import serialize_executable
 from moejax import executable_check
