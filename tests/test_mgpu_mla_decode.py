@@ -108,3 +108,25 @@ def test_lowers_for_cuda_at_deepseek_shapes(kv, splits, monkeypatch):
                                   num_splits=splits, interpret=False))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter run (CPU)")
+def test_selected_through_mla_decode_run_with_verify_rows(monkeypatch):
+    """mla_decode.run with the kernel chosen (mla_kernel=mgpu) takes the speculative verify's rows a sequence
+    (each row its own length, the sequence's block table repeated) and equals the XLA path (float64 reference
+    bounds as above)."""
+    from moejax.kernels import common, mla_decode
+    monkeypatch.setenv(common.MLA_KERNEL_ENV, "mgpu")
+    B, Q, H, C, R, bs, nb = 2, 2, 64, 128, 64, 16, 8
+    values, ql, qr, bt = mla_inputs(fresh_key_seed(), B * Q, H, C, R, bs, nb)
+    bt = bt[:B]
+    lens = jnp.asarray([[40, 41], [99, 100]], jnp.int32).reshape(-1)
+    cache, stored = stored_cache(values, "bf16", C + R)
+    scale = 1.2 / (C + R) ** 0.5
+    assert mla_decode.plan(B * Q, H, C, R, nb * bs, bs, cache.dtype, "pallas").path == "mgpu"
+    with common.kernel_mode("pallas"):
+        got = mla_decode.run(ql, qr, cache, bt, lens, bs, scale, layer=1, rows=Q)
+    exact = mla_reference(ql, qr, stored, jnp.repeat(bt, Q, axis=0), lens, bs, scale)
+    xla = mla_decode.xla(ql, qr, cache, jnp.repeat(bt, Q, axis=0), lens, bs, scale, layer=1)
+    assert got.shape == (B * Q, H, C)
+    assert rel_err(got, exact) < 1e-2 and rel_err(got, xla) < 1e-2
