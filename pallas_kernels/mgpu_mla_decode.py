@@ -19,7 +19,12 @@ Shared memory at 64 tokens a tile, 2 slots: the query's latent 64 KB + tiles 144
 16 KB = 224.3 KB of Hopper's 227; the query's rope part is staged through a tile slot into warpgroup 0's
 registers (wgmma takes its left operand from registers), and the partials take turns in one buffer.
 Exactness: against float64 NumPy in Mosaic GPU's interpreter on CPU and on the device
-(tests/test_mgpu_mla_decode.py). bf16 cache only; CUDA (sm_90) only: ROCm keeps the Triton route.
+(tests/test_mgpu_mla_decode.py). CUDA (sm_90) only: ROCm keeps the Triton route.
+
+FP8 caches (kv_quant rows, padded to whole 128-byte tiles: ``fp8_row_dim``): one slot of raw rows, widened
+to bf16 tiles by the compute warpgroups (exact) and freed at once for the next copy; the row scale
+applied to the scores and the probabilities. Runs in the interpreter and lowers for CUDA; not yet run on a
+GPU, so the selection keeps Triton for FP8 caches. Measured: BENCHMARKS.md 2026-12-07f.
 """
 
 from __future__ import annotations
