@@ -35,6 +35,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.compat import interpret_mode, platform
+from pallas_kernels.paged_decode_attention import combine_splits
+
+try:  # Mosaic GPU's Pallas module ships with jax; guarded for builds without it
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    _MISSING = ""
+except ImportError as e:  # pragma: no cover - depends on the jax build
+    plgpu, _MISSING = None, f"jax.experimental.pallas.mosaic_gpu: {e}"
+try:  # its CPU interpreter (tests); a private module, so a jax that moved it only loses the interpreter
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:  # pragma: no cover - depends on the jax version
+    InterpretGPUParams = None
 
 LOG2E = 1.4426950408889634
 FP8 = jnp.float8_e4m3fn
@@ -50,16 +61,14 @@ def fp8_row_dim(kv_dim: int) -> int:
 
 def interpret_mode_for(interpret) -> bool:
     return interpret_mode() if interpret is None else bool(interpret)
+
+
 HEADS = 64  # heads a CTA: one wgmma M tile a compute warpgroup
 
 
 def available() -> tuple[bool, str]:
     """(usable, why not): Mosaic GPU's Pallas module importable (it ships with jaxlib's CUDA build)."""
-    try:
-        import jax.experimental.pallas.mosaic_gpu  # noqa: F401
-    except ImportError as e:  # pragma: no cover - depends on the jaxlib build
-        return False, f"jax.experimental.pallas.mosaic_gpu: {e}"
-    return True, ""
+    return plgpu is not None, _MISSING
 
 
 def check_shapes(heads: int, latent: int, rope: int, block_t: int, block_size: int, cache_dtype, q_dtype):
@@ -84,7 +93,8 @@ def check_shapes(heads: int, latent: int, rope: int, block_t: int, block_size: i
 def _interpret_params(interpret):
     if not interpret:
         return None
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    if InterpretGPUParams is None:
+        raise ValueError("interpret: this jax has no Mosaic GPU interpreter (jax._src.pallas.mosaic_gpu.interpret)")
     return interpret if isinstance(interpret, InterpretGPUParams) else InterpretGPUParams()
 
 
@@ -94,10 +104,8 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
     """q_latent [B, H, C], q_rope [B, H, R], cache [num_slots, C+R] bf16 (or [L, num_slots, D] with
     ``layer``), block_tables [B, nb], seq_lens [B] (>= 1) -> context latents [B, H, C] in ``out_dtype``
     (float32 by default), as ``triton_mla_decode`` for one query row a sequence."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    from pallas_kernels.paged_decode_attention import combine_splits
-
+    if plgpu is None:
+        raise ValueError(f"mgpu_mla_decode: {_MISSING}; mla_kernel=triton or pallas instead")
     B, H, C = q_latent.shape
     R = q_rope.shape[-1]
     if q_rope.shape[:2] != (B, H):

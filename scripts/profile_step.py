@@ -479,8 +479,9 @@ def assign_programs(events: list[dict], programs: list[Program], modules=()) -> 
     return out
 
 
-def summarize(events: list[dict], programs: list[Program], steps: int, modules=()) -> list[dict]:
-    """One row per (program, op): seconds and launches per step, category, where, estimated bytes and FLOPs."""
+def counted(events: list[dict], programs: list[Program], modules=()) -> list[tuple[dict, str | None]]:
+    """(event, its program) for the events the tables count: not a loop / conditional / call whose ops are
+    counted themselves (a while loop's span also holds its own overhead between its body's ops)."""
     by_name = {p.name: p for p in programs}
     progs = assign_programs(events, programs, modules)
     traced: dict[str | None, set[str]] = collections.defaultdict(set)
@@ -488,12 +489,17 @@ def summarize(events: list[dict], programs: list[Program], steps: int, modules=(
         traced[prog].add(e.get("args", {}).get("hlo_op") or e["name"])
     containers = {(prog, op) for prog, ops in traced.items() if prog in by_name
                   for op in ops if by_name[prog].is_container(op, ops)}
+    return [(e, prog) for e, prog in zip(events, progs)
+            if (prog, e.get("args", {}).get("hlo_op") or e["name"]) not in containers]
+
+
+def summarize(events: list[dict], programs: list[Program], steps: int, modules=()) -> list[dict]:
+    """One row per (program, op): seconds and launches per step, category, where, estimated bytes and FLOPs."""
+    by_name = {p.name: p for p in programs}
     acc: dict[tuple, dict] = {}
-    for e, prog in zip(events, progs):
+    for e, prog in counted(events, programs, modules):
         a = e.get("args", {})
         op = a.get("hlo_op") or e["name"]
-        if (prog, op) in containers:
-            continue  # a loop / conditional / call whose ops are counted themselves
         r = acc.setdefault((prog, op), {"program": prog or "", "name": op, "kernels": set(), "time_us": 0.0,
                                         "events": 0, "args": a})
         r["time_us"] += e["dur"]
@@ -698,8 +704,9 @@ def analyze(trace: dict, programs: list[Program], steps: int) -> dict:
         raise SystemExit("no op events in the trace")
     rows = summarize(events, programs, steps, modules)
     spans = step_spans(trace)
+    busy = _busy([e for e, _ in counted(events, programs, modules)])  # over the events the rows count
     return {"steps": steps, "source": source, "step_s": float(np.mean(spans)) if len(spans) == steps else None,
-            "op_s": sum(r["time_s"] for r in rows), "busy_s": _busy(events) / steps,
+            "op_s": sum(r["time_s"] for r in rows), "busy_s": busy / steps,
             "categories": by_category(rows), "ops": rows}
 
 
