@@ -212,8 +212,10 @@ def test_chat_top_logprobs(client, ref):
     assert [e.token for e in streamed] == [c.token for c in content]
     assert [[t.token for t in e.top_logprobs] for e in streamed] == [[t.token for t in c.top_logprobs]
                                                                      for c in content]
+    # float32 logprobs move ~1e-7-2e-6 with the batch the request lands in (its bucket's padding; XLA:CPU's
+    # buckets are powers of 4 since 2026-12-07f): the same tokens, the values to 1e-5 (the reference's 1e-4)
     np.testing.assert_allclose([t.logprob for e in streamed for t in e.top_logprobs],
-                               [t.logprob for c in content for t in c.top_logprobs], atol=1e-6)
+                               [t.logprob for c in content for t in c.top_logprobs], atol=1e-5)
 
 
 def test_stop_string_never_streamed(client, ref):
