@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.compat import interpret_mode, platform
-from pallas_kernels.paged_decode_attention import combine_splits
+from pallas_kernels.paged_decode_attention import combine_splits, layered_cache
 
 try:  # Mosaic GPU's Pallas module ships with jax; guarded for builds without it
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -112,12 +112,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
         raise ValueError(f"q_rope: expected [B={B}, H={H}, R], got {q_rope.shape}")
     if seq_lens.shape != (B,):
         raise ValueError(f"seq_lens: expected [{B}], got {seq_lens.shape}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != B:
-        raise ValueError(f"block_tables: expected [B={B}, nb], got {block_tables.shape}")
-    if cache.ndim == 2:
-        cache, layer = cache[None], 0
-    if layer is None:
-        raise ValueError("layer: a [L, slots, D] cache needs the layer index")
+    cache, layer = layered_cache(cache, layer, block_tables, B)
     check_shapes(H, C, R, block_t, block_size, cache.dtype, q_latent.dtype)
     L, slots, D = cache.shape
     fp8 = jnp.dtype(cache.dtype) == jnp.dtype(FP8)
@@ -130,8 +125,6 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                          f"{FP8_ROW_ALIGN} bytes (kv_quant's row width rounded up: fp8_row_dim)")
     if slots % block_size:
         raise ValueError(f"cache: {slots} slots are not whole blocks of {block_size}")
-    if not 0 <= layer < L:
-        raise ValueError(f"layer: {layer} is outside the cache's {L} layers")
     if num_stages < 2:
         raise ValueError(f"num_stages: at least 2, got {num_stages}")
     nb = block_tables.shape[1]

@@ -263,6 +263,20 @@ def paged_decode_attention(q_latent, q_rope, cache, block_tables, seq_lens, *, b
     return combine_splits(o, lse, out_dtype)[:, :H]
 
 
+def layered_cache(cache, layer, block_tables, batch: int):
+    """The decode kernels' shared argument checks: block_tables [batch, nb]; cache [slots, D] (taken as layer
+    0 of [1, slots, D]) or [L, slots, D] with ``layer`` in range -> (cache [L, slots, D], layer)."""
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables: expected [B={batch}, nb], got {block_tables.shape}")
+    if cache.ndim == 2:
+        cache, layer = cache[None], 0
+    if layer is None:
+        raise ValueError("layer: a [L, slots, D] cache needs the layer index")
+    if not 0 <= layer < cache.shape[0]:
+        raise ValueError(f"layer: {layer} is outside the cache's {cache.shape[0]} layers")
+    return cache, layer
+
+
 def combine_splits(o, lse, out_dtype):
     """Stage 2 of flash-decoding (plain JAX, fused by XLA): the splits' normalised contexts o [B, S, H, C]
     weighted by exp(lse_s - lse_max) (lse [B, S, H], natural log, -inf for a split that saw no token)."""

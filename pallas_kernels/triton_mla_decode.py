@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.jax_triton_compat import jit, triton_call
-from pallas_kernels.paged_decode_attention import combine_splits
+from pallas_kernels.paged_decode_attention import combine_splits, layered_cache
 
 tl = None  # triton.language, set by jax_triton_compat.Kernel on first launch (Triton may be absent)
 
@@ -140,12 +140,7 @@ def triton_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
         raise ValueError(f"q_rope: expected {want}, got {None if q_rope is None else q_rope.shape}")
     if seq_lens.shape != (B, Q):
         raise ValueError(f"seq_lens: expected [{B}{f', {Q}' if rows else ''}], got {seq_lens.shape}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != B:
-        raise ValueError(f"block_tables: expected [B={B}, nb], got {block_tables.shape}")
-    if cache.ndim == 2:
-        cache, layer = cache[None], 0
-    if layer is None:
-        raise ValueError("layer: a [L, slots, D] cache needs the layer index")
+    cache, layer = layered_cache(cache, layer, block_tables, B)
     R = q_rope.shape[-1]
     for name, v in (("latent dim", C), ("rope dim", R), ("block_h", block_h), ("block_n", block_n)):
         if v < 16 or v & (v - 1):
@@ -154,8 +149,6 @@ def triton_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_
     fp8 = jnp.dtype(cache.dtype).itemsize == 1
     if D < C + R + (1 if fp8 else 0):
         raise ValueError(f"cache: rows of {D} cannot hold latent {C} + rope {R}{' + a scale byte' if fp8 else ''}")
-    if not 0 <= layer < L:
-        raise ValueError(f"layer: {layer} is outside the cache's {L} layers")
     nb = block_tables.shape[1]
     out_dtype = jnp.dtype(out_dtype or jnp.float32)
     max_len = nb * block_size
