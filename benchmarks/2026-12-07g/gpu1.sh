@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GPU calls (2026-12-07g). From gpusnap/ (a snapshot of HEAD): bash benchmarks/2026-12-07g/gpu1.sh PHASE
+set -u
+PH=${1:-d}
+R=/tmp/r; mkdir -p $R; OUT0=$OUT
+pack() { tar czf $OUT0/r.tgz -C /tmp r; }
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv > $R/gpu.txt
+python3 -m pip install --no-deps ../.whl/jax_triton-0.3.1-py3-none-any.whl > $R/pip.txt 2>&1
+export PYTHONPATH=$PWD MOEJAX_PALLAS_INTERPRET=0 PYTHONUNBUFFERED=1
+run() { local name=$1 t=$2; shift 2; local s=$SECONDS; timeout $t "$@" > $R/$name.txt 2>&1; echo "$name rc=$? $((SECONDS-s))s" | tee -a $R/log.txt; pack; }
+NCU="ncu --clock-control none --launch-count 1 --kernel-name regex:entry|mla|mosaic|mgpu|pallas"
+SECS="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats"
+# d: the Mosaic GPU kernel's FP8 path on rows padded to 640 bytes (fp8_row_dim): its device tests, then 128 heads
+#    x 197 / 512 x 2048 FP8 against Triton (selected now) and bf16 mgpu, in one run; ncu of the bf16 kernel at 512.
+GD='[{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[64],"num_stages":[2],"num_splits":[1]}]'
+if [ "$PH" = d ]; then
+run pytest 120 env JAX_PLATFORMS=cuda python3 -m pytest -q -n0 -p no:cacheprovider -o addopts="" tests/test_mgpu_mla_decode.py
+run mla128fp8 170 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv fp8 bf16 --sweep --sweep-kv fp8 --grid "$GD"
+run ncu_bf16 120 $NCU $SECS python3 benchmarks/2026-12-07g/mgpu_ncu.py 512 bf16
+grep -q "No kernels were profiled" $R/ncu_bf16.txt && run ncu_names 90 ncu --clock-control none --launch-count 15 --section LaunchStats python3 benchmarks/2026-12-07g/mgpu_ncu.py 64 bf16
+run ncu_fp8 120 $NCU $SECS python3 benchmarks/2026-12-07g/mgpu_ncu.py 512 fp8
+fi
