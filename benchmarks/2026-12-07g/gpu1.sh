@@ -20,3 +20,16 @@ run ncu_bf16 120 $NCU $SECS python3 benchmarks/2026-12-07g/mgpu_ncu.py 512 bf16
 grep -q "No kernels were profiled" $R/ncu_bf16.txt && run ncu_names 90 ncu --clock-control none --launch-count 15 --section LaunchStats python3 benchmarks/2026-12-07g/mgpu_ncu.py 64 bf16
 run ncu_fp8 120 $NCU $SECS python3 benchmarks/2026-12-07g/mgpu_ncu.py 512 fp8
 fi
+# e (issue 42): what a V2-Lite decode program's XLA build (12.26 s at 27 layers in 2026-12-07f, superlinear in
+#    layers: 2 / 4 layers 1.68 / 1.88 s) spends, by XLA flags, each with the step it builds timed (B = 256,
+#    context 2000, FP8 KV, kernels auto): default; GEMM autotuning off; the latency-hiding scheduler off (one
+#    GPU: no collective to hide); both; rematerialisation off.
+if [ "$PH" = e ]; then
+for V in default autotune0 nolhs both noremat; do
+  case $V in default) F="";; autotune0) F="--xla_gpu_autotune_level=0";;
+    nolhs) F="--xla_gpu_enable_latency_hiding_scheduler=false";;
+    both) F="--xla_gpu_autotune_level=0 --xla_gpu_enable_latency_hiding_scheduler=false";;
+    noremat) F="--xla_disable_hlo_passes=rematerialization";; esac
+  run xla_$V 120 env XLA_FLAGS="$F" python3 scripts/bench_decode.py --preset deepseek-v2-lite --concurrency 256 --input-len 2000 --output-len 16 --steps 10 --warmup 2 --fill random --kv-dtype fp8 --kernels auto --compile-time
+done
+fi
