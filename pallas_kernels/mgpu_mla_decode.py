@@ -71,10 +71,13 @@ def available() -> tuple[bool, str]:
     return plgpu is not None, _MISSING
 
 
-def check_shapes(heads: int, latent: int, rope: int, block_t: int, block_size: int, cache_dtype, q_dtype):
+def check_shapes(heads: int, latent: int, rope: int, block_t: int, block_size: int, cache_dtype, q_dtype,
+                 rows: int = 1):
     """The shapes this kernel takes, else a ValueError naming the one it cannot."""
-    if heads % HEADS:
-        raise ValueError(f"heads: the Mosaic GPU MLA kernel takes multiples of {HEADS}, got {heads}")
+    hq = heads_a_cta(rows)
+    if heads % hq:
+        raise ValueError(f"heads: the Mosaic GPU MLA kernel takes multiples of {hq} at {rows} query row"
+                         f"{'s' if rows > 1 else ''} a sequence, got {heads}")
     if latent % 128:
         raise ValueError(f"latent dim: must be a multiple of 128 (two halves of 64-column tiles), got {latent}")
     if rope % 64:
@@ -98,22 +101,41 @@ def _interpret_params(interpret):
     return interpret if isinstance(interpret, InterpretGPUParams) else InterpretGPUParams()
 
 
+ROWS_HEADS = {1: 64, 2: 32, 3: 16, 4: 16}
+
+
+def heads_a_cta(rows: int) -> int:
+    """Heads a CTA takes for ``rows`` query rows a sequence: its 64 wgmma rows are (row, head) pairs, each
+    row's heads a multiple of 8 (the tiled buffers' row groups); 3 rows use 48 of the 64."""
+    if rows not in ROWS_HEADS:
+        raise ValueError(f"rows: the Mosaic GPU MLA kernel takes 1 to 4 query rows a sequence, got {rows}")
+    return ROWS_HEADS[rows]
+
+
 def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_size: int, scale: float,
                     layer: int | None = None, block_t: int = 64, num_stages: int = 2, num_splits: int = 1,
                     out_dtype=None, interpret=None):
     """q_latent [B, H, C], q_rope [B, H, R], cache [num_slots, C+R] bf16 (or [L, num_slots, D] with
     ``layer``), block_tables [B, nb], seq_lens [B] (>= 1) -> context latents [B, H, C] in ``out_dtype``
-    (float32 by default), as ``triton_mla_decode`` for one query row a sequence."""
+    (float32 by default), as ``triton_mla_decode``. Several query rows a sequence (the speculative verify)
+    as there: q [B, Q, H, *], seq_lens [B, Q] (each row's own length: causal among a sequence's rows) ->
+    [B, Q, H, C], the sequence's context read once for all its rows (a CTA's 64 wgmma rows are Q rows x
+    ``heads_a_cta(Q)`` heads)."""
     if plgpu is None:
         raise ValueError(f"mgpu_mla_decode: {_MISSING}; mla_kernel=triton or pallas instead")
-    B, H, C = q_latent.shape
+    grouped = q_latent.ndim == 4
+    if not grouped:
+        q_latent, q_rope, seq_lens = q_latent[:, None], q_rope[:, None], seq_lens[:, None]
+    B, Q, H, C = q_latent.shape
     R = q_rope.shape[-1]
-    if q_rope.shape[:2] != (B, H):
-        raise ValueError(f"q_rope: expected [B={B}, H={H}, R], got {q_rope.shape}")
-    if seq_lens.shape != (B,):
-        raise ValueError(f"seq_lens: expected [{B}], got {seq_lens.shape}")
+    hq = heads_a_cta(Q)
+    if q_rope.shape[:3] != (B, Q, H):
+        raise ValueError(f"q_rope: expected [B={B}, {f'Q={Q}, ' if grouped else ''}H={H}, R], got {q_rope.shape}")
+    if seq_lens.shape != (B, Q):
+        raise ValueError(f"seq_lens: expected {[B, Q] if grouped else [B]}, got "
+                         f"{list(seq_lens.shape if grouped else seq_lens.shape[:1])}")
     cache, layer = layered_cache(cache, layer, block_tables, B)
-    check_shapes(H, C, R, block_t, block_size, cache.dtype, q_latent.dtype)
+    check_shapes(H, C, R, block_t, block_size, cache.dtype, q_latent.dtype, Q)
     L, slots, D = cache.shape
     fp8 = jnp.dtype(cache.dtype) == jnp.dtype(FP8)
     if D < C + R + (SCALE_BOX if fp8 else 0):
@@ -159,10 +181,14 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
         r_lo, r_hi, r_rp, r_sc, k_sc = raw if fp8 else (k_lo, k_hi, k_rp, None, None)
         b = lax.axis_index("b")
         s = lax.axis_index("s")
-        h0 = lax.axis_index("h") * HEADS
+        h0 = lax.axis_index("h") * hq
         wg = lax.axis_index("wg")
-        length = len_ref[b]
         start = s * split_len
+        # Each query row's own end in this split (causal among a sequence's rows); the tiles cover the longest.
+        ends = [jnp.minimum(len_ref[b, r], start + split_len) for r in range(Q)]
+        length = len_ref[b, 0]
+        for r in range(1, Q):
+            length = jnp.maximum(length, len_ref[b, r])
         end = jnp.minimum(length, start + split_len)
         n_tiles = jnp.maximum(end - start + (bt - 1), 0) // bt
         last_page = (length - 1) // bs
@@ -170,12 +196,14 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-            heads = pl.ds(h0, HEADS)
-            plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, pl.ds(0, Ch)], q_lo, q_bar)
-            plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, pl.ds(Ch, Ch)], q_hi, q_bar)
-            # The query's rope part passes through a rope tile buffer into warpgroup 0's registers: bf16 slot
-            # 1's (the memory warpgroup fills it once 0 has read it), FP8 the widened tile's (0 writes it).
-            plgpu.copy_gmem_to_smem(qr_ref.at[b, heads], k_rp.at[0 if fp8 else 1], q_bar)
+            heads = pl.ds(h0, hq)
+            for r in range(Q):  # query row r's heads in rows r * hq of the buffers
+                mine = pl.ds(r * hq, hq)
+                plgpu.copy_gmem_to_smem(ql_ref.at[b, r, heads, pl.ds(0, Ch)], q_lo.at[mine], q_bar)
+                plgpu.copy_gmem_to_smem(ql_ref.at[b, r, heads, pl.ds(Ch, Ch)], q_hi.at[mine], q_bar)
+                # The query's rope part passes through a rope tile buffer into warpgroup 0's registers: bf16
+                # slot 1's (the memory warpgroup fills it once 0 has read it), FP8 the widened tile's (0 writes it).
+                plgpu.copy_gmem_to_smem(qr_ref.at[b, r, heads], k_rp.at[0 if fp8 else 1, mine], q_bar)
 
             def issue(tile, slot):
                 first = (start + tile * bt) // bs
@@ -281,7 +309,16 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                 sc = sc * qk_scale if row_scale is None else sc * (row_scale * qk_scale)
                 cols = (lax.broadcasted_iota(jnp.int32, (HEADS, bt), 1) if interp else
                         plgpu.broadcasted_iota(jnp.int32, (HEADS, bt), 1, layout=plgpu.Layout.WGMMA))
-                sc = jnp.where(cols < end - (start + tile * bt), sc, -jnp.inf)
+                t0 = start + tile * bt
+                if Q == 1:
+                    lim = end - t0
+                else:  # each wgmma row's query row: its own end (rows past Q * hq: none, masked out)
+                    row = (lax.broadcasted_iota(jnp.int32, (HEADS, bt), 0) if interp else
+                           plgpu.broadcasted_iota(jnp.int32, (HEADS, bt), 0, layout=plgpu.Layout.WGMMA)) // hq
+                    lim = jnp.zeros_like(cols)
+                    for r in range(Q):
+                        lim = jnp.where(row == r, ends[r] - t0, lim)
+                sc = jnp.where(cols < lim, sc, -jnp.inf)
                 m_new = jnp.maximum(m, sc.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
@@ -303,7 +340,9 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                 q_half = q_lo if role == 0 else q_hi  # this warpgroup's own query half, read for the last time
                 q_half[...] = out.astype(dt)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_half, o_ref.at[b, s, pl.ds(h0, HEADS), pl.ds(col0, Ch)])
+                for r in range(Q):
+                    plgpu.copy_smem_to_gmem(q_half.at[pl.ds(r * hq, hq)],
+                                            o_ref.at[b * Q + r, s, pl.ds(h0, hq), pl.ds(col0, Ch)])
             else:  # float32 through the exchange buffer, 64 columns at a time: 0's once 1 has read it, then 1's
                 if role == 1:
                     plgpu.barrier_arrive(x_done.at[0])
@@ -313,14 +352,17 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                 for c in range(chunks):
                     xch[...] = out[:, c * 64:(c + 1) * 64]
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(xch, o_ref.at[b, s, pl.ds(h0, HEADS), pl.ds(col0 + c * 64, 64)])
+                    for r in range(Q):
+                        plgpu.copy_smem_to_gmem(xch.at[pl.ds(r * hq, hq)],
+                                                o_ref.at[b * Q + r, s, pl.ds(h0, hq), pl.ds(col0 + c * 64, 64)])
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 if role == 0:
                     plgpu.barrier_arrive(x_done.at[1])
             if role == 0:
                 lse_smem[...] = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) * (1.0 / LOG2E), -jnp.inf)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, s, pl.ds(h0, HEADS)])
+                for r in range(Q):
+                    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(r * hq, hq)], lse_ref.at[b * Q + r, s, pl.ds(h0, hq)])
             plgpu.wait_smem_to_gmem(0)
 
         pl.when(wg == 0)(lambda: compute(0))
@@ -347,7 +389,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             smem += (tile(1, Ch, FP8), tile(1, Ch, FP8), tile(1, R, FP8), plgpu.SMEM((1, bt, SCALE_BOX), FP8),
                      tile(2, SCALE_BOX))
         barriers = (
-            plgpu.Barrier(num_arrivals=3),
+            plgpu.Barrier(num_arrivals=3 * Q),
             plgpu.Barrier(num_arrivals=(4 if fp8 else 3) * pages_a_tile, num_barriers=raw_stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=raw_stages),
             plgpu.Barrier(num_barriers=2),
@@ -359,12 +401,13 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
 
     kernel = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((B, S, H, C), o_dtype), jax.ShapeDtypeStruct((B, S, H), jnp.float32)),
-        grid=(H // HEADS, S, B), grid_names=("h", "s", "b"), num_threads=3, thread_name="wg",
+        out_type=(jax.ShapeDtypeStruct((B * Q, S, H, C), o_dtype), jax.ShapeDtypeStruct((B * Q, S, H), jnp.float32)),
+        grid=(H // hq, S, B), grid_names=("h", "s", "b"), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0), interpret=_interpret_params(interpret))
     o, lse = kernel(q_latent.astype(dt), q_rope.astype(dt), cache4, block_tables.astype(jnp.int32),
                     seq_lens.astype(jnp.int32))
-    return combine_splits(o, lse, out_dtype)
+    out = combine_splits(o, lse, out_dtype)
+    return out.reshape(B, Q, H, C) if grouped else out
 
 
 def smem_bytes(latent: int, rope: int, block_t: int, num_stages: int, fp8: bool = False) -> int:

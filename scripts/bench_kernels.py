@@ -38,7 +38,9 @@ from pallas_kernels.fused_moe import fused_moe  # noqa: E402
 from pallas_kernels.jax_triton_compat import available as triton_available  # noqa: E402
 from pallas_kernels.triton_block_fp8 import fused_moe_triton  # noqa: E402
 from pallas_kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
+from pallas_kernels.mgpu_mla_decode import available as mgpu_available  # noqa: E402
 from pallas_kernels.mgpu_mla_decode import fp8_row_dim, mgpu_mla_decode  # noqa: E402
+from pallas_kernels.mgpu_mla_decode import heads_a_cta as mgpu_heads_a_cta  # noqa: E402
 from pallas_kernels.triton_mla_decode import triton_mla_decode  # noqa: E402
 
 BF16 = jnp.bfloat16
@@ -234,13 +236,14 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
 
 
 def run_mla_rows(H, batches, ctx, rows, bw, rate, smoke, interpret, kvs):
-    """The speculative verify's Q = k + 1 query rows a sequence: the Triton kernel over the rows together
-    (the context read once) against the selected single-row kernel over B x Q rows, each with the
-    sequence's table (each row reads the context), as the verify ran before."""
+    """The speculative verify's Q = k + 1 query rows a sequence: the Triton kernel and (on Hopper) the Mosaic
+    GPU kernel over the rows together (the context read once) against the selected single-row kernel over
+    B x Q rows, each with the sequence's table (each row reads the context), as the verify ran before."""
     C, R, bs = (64, 16, 16) if smoke else (512, 64, 16)
     print(f"\n== MLA decode, query rows a sequence: H={H} C={C} R={R} block={bs} context={ctx} ==")
-    print(f"{'cache':>5} {'B':>4} {'Q':>2} {'floor us':>9} {'rows us':>9} {'per-row us':>10} {'per-row/rows':>12} "
-          f"{'rows/floor':>10}  per-row kernel")
+    mg = mgpu_available()[0] and not interpret and common.hopper()
+    print(f"{'cache':>5} {'B':>4} {'Q':>2} {'floor us':>9} {'rows us':>9} {'mgpu rows':>9} {'per-row us':>10} "
+          f"{'per-row/rows':>12} {'rows/floor':>10}  per-row kernel  (per-row/rows: the faster rows kernel)")
     for kv, B, nb, k, cache, bt in mla_points(batches, ctx, bs, C, R, kvs):
         for Q in rows:
             lens = ctx - (Q - 1) + jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32), (B, Q))
@@ -258,14 +261,23 @@ def run_mla_rows(H, batches, ctx, rows, bw, rate, smoke, interpret, kvs):
             fg = jax.jit(functools.partial(triton_mla_decode, block_size=bs, scale=MLA_SCALE, layer=0,
                                            out_dtype=BF16, interpret=interpret, **tp))
             t_g = bench(fg, ql, qr, cache, bt, lens)
-            ffn = triton_mla_decode if flat.path == "triton" else paged_decode_attention
+            padded = cache
+            if kv == "fp8":  # the Mosaic GPU kernel's FP8 rows: kv_quant's, zero-padded to whole 128-byte tiles
+                padded = jnp.pad(cache, ((0, 0), (0, 0), (0, fp8_row_dim(C + R) - cache.shape[-1])))
+            t_m = float("nan")
+            if mg and H % mgpu_heads_a_cta(Q) == 0:
+                fm = jax.jit(functools.partial(mgpu_mla_decode, block_size=bs, scale=MLA_SCALE, layer=0,
+                                               out_dtype=BF16, **mla_decode.mgpu_params(B, H, nb * bs, rows=Q)))
+                t_m = bench(fm, ql, qr, padded, bt, lens)
+            ffn = {"triton": triton_mla_decode, "mgpu": mgpu_mla_decode}.get(flat.path, paged_decode_attention)
             ff = jax.jit(functools.partial(ffn, block_size=bs, scale=MLA_SCALE, layer=0, out_dtype=BF16,
                                            interpret=interpret, **flat.params))
-            args = (ql.reshape(B * Q, H, C), qr.reshape(B * Q, H, R), cache, jnp.repeat(bt, Q, axis=0),
-                    lens.reshape(-1))
+            args = (ql.reshape(B * Q, H, C), qr.reshape(B * Q, H, R), padded if flat.path == "mgpu" else cache,
+                    jnp.repeat(bt, Q, axis=0), lens.reshape(-1))
             t_f = bench(ff, *args) if flat.path != "xla" else float("nan")
-            print(f"{kv:>5} {B:>4} {Q:>2} {fl_t * 1e6:9.1f} {t_g * 1e6:9.1f} {t_f * 1e6:10.1f} {t_f / t_g:12.2f} "
-                  f"{t_g / fl_t:10.2f}  {flat.path} {flat.params}  rows: {tp}")
+            best = min(t_g, t_m) if t_m == t_m else t_g
+            print(f"{kv:>5} {B:>4} {Q:>2} {fl_t * 1e6:9.1f} {t_g * 1e6:9.1f} {t_m * 1e6:9.1f} {t_f * 1e6:10.1f} "
+                  f"{t_f / best:12.2f} {best / fl_t:10.2f}  {flat.path} {flat.params}  rows: {tp}")
 
 
 MFA_GRID = [{"tile": ["gather"], "block_h": [16, 32], "block_t": [32, 64], "num_warps": [4], "num_stages": [2, 3],

@@ -19,23 +19,31 @@ ON_HOPPER = jax.default_backend() == "gpu" and "H100" in jax.devices()[0].device
     jax.default_backend() == "gpu" and "H200" in jax.devices()[0].device_kind
 
 
-def _check(kv, B, H, C, R, block_size, nb, lens, block_t, stages, splits, interpret):
-    values, ql, qr, bt = mla_inputs(fresh_key_seed(), B, H, C, R, block_size, nb)
-    lens = jnp.asarray(lens, jnp.int32)
+def _check(kv, B, H, C, R, block_size, nb, lens, block_t, stages, splits, interpret, rows=1):
+    """``rows`` > 1: ``lens`` [B, rows] (each query row its own length), the kernel's grouped form
+    (q [B, rows, H, *]) against the reference over every row with its sequence's block table."""
+    values, ql, qr, bt = mla_inputs(fresh_key_seed(), B * rows, H, C, R, block_size, nb)
+    bt = bt[:B]
+    lens = jnp.asarray(lens, jnp.int32).reshape(B * rows)
     scale = 1.2 / (C + R) ** 0.5
     cache, stored = stored_cache(values, kv, C + R)
     if kv == "fp8" and not interpret:  # the compiled kernel's rows: kv_quant's, zero-padded to 128-byte tiles
         cache = jnp.pad(cache, ((0, 0), (0, 0), (0, fp8_row_dim(C + R) - cache.shape[-1])))
-    exact = mla_reference(ql, qr, stored, bt, lens, block_size, scale)
+    exact = mla_reference(ql, qr, stored, jnp.repeat(bt, rows, axis=0), lens, block_size, scale)
     kw = dict(block_size=block_size, scale=scale, layer=1, block_t=block_t, num_stages=stages, num_splits=splits,
               interpret=interpret)
-    got = mgpu_mla_decode(ql, qr, cache, bt, lens, **kw)
-    assert got.shape == (B, H, C) and got.dtype == jnp.float32
+    args = (ql, qr, cache, bt, lens)
+    if rows > 1:
+        args = (ql.reshape(B, rows, H, C), qr.reshape(B, rows, H, R), cache, bt, lens.reshape(B, rows))
+    shape = (B, H, C) if rows == 1 else (B, rows, H, C)
+    got = mgpu_mla_decode(*args, **kw)
+    assert got.shape == shape and got.dtype == jnp.float32
+    got = got.reshape(B * rows, H, C)
     assert rel_err(got, exact) < 1e-2
-    for b in range(B):  # every sequence right, not only the whole on average
+    for b in range(B * rows):  # every query row right, not only the whole on average
         assert rel_err(got[b], exact[b]) < 1e-2, b
-    gb = mgpu_mla_decode(ql, qr, cache, bt, lens, out_dtype=BF16, **kw)
-    assert gb.dtype == BF16 and rel_err(gb, exact) < 1e-2
+    gb = mgpu_mla_decode(*args, out_dtype=BF16, **kw)
+    assert gb.dtype == BF16 and rel_err(gb.reshape(B * rows, H, C), exact) < 1e-2
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter run (CPU); the GPU runs the compiled test")
@@ -47,6 +55,19 @@ def _check(kv, B, H, C, R, block_size, nb, lens, block_t, stages, splits, interp
 def test_interpreter_matches_reference(kv, lens, block_t, splits):
     _check(kv, B=2, H=64, C=128, R=64, block_size=16, nb=8, lens=lens, block_t=block_t, stages=2, splits=splits,
            interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter run (CPU); the GPU runs the compiled test")
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("rows,lens,splits", [
+    (2, [[36, 37], [1, 2]], 1),          # 32 heads a CTA; a row of one token
+    (3, [[126, 127, 128], [19, 20, 21]], 3),  # 16 heads, 48 of the 64 wgmma rows; splits, a row's end at a split's
+    (4, [[61, 62, 63, 64], [5, 6, 7, 8]], 2),  # 16 heads, the 64 rows; a row's end on the tile boundary
+])
+def test_interpreter_rows_together(kv, rows, lens, splits):
+    """The speculative verify's rows a sequence in one CTA (the context read once): causal among them."""
+    _check(kv, B=2, H=64, C=128, R=64, block_size=16, nb=8, lens=lens, block_t=64, stages=2, splits=splits,
+           interpret=True, rows=rows)
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="compiled for sm_90 (an H100 or H200)")

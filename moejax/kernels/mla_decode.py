@@ -58,12 +58,12 @@ def mgpu_fits(heads: int, latent: int, rope: int, cache_dtype, block_size: int =
     return True
 
 
-def mgpu_params(batch: int, heads: int, max_len: int) -> dict:
+def mgpu_params(batch: int, heads: int, max_len: int, rows: int = 1) -> dict:
     """Tiling of mgpu_mla_decode: 64-token tiles in two slots (what shared memory holds); context splits
     while the CTAs (64 heads of a sequence and split each, one an SM: 224 KB of shared memory) stay one wave,
     each split >= 1024 tokens. H100, 128 heads (BENCHMARKS.md 2026-12-07f): 16 x 2048 2 splits 44.0 us, 4
     59.5, 5 (two waves) 59.7; 16 x 8192 4 splits 101.3, 5 152.9, 2 166.9; 197 x 2048 1 split 373.6, 2 433.8."""
-    ctas = batch * (heads // mgpu.HEADS)
+    ctas = batch * (heads // mgpu.heads_a_cta(rows))
     num_splits = max(1, min(max_len // 1024, common.num_compute_units() // max(ctas, 1), 16))
     return dict(block_t=64, num_stages=2, num_splits=num_splits)
 
