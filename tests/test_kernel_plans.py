@@ -152,6 +152,12 @@ def test_mla_on_hopper_takes_the_mosaic_gpu_kernel_for_bf16_caches(monkeypatch):
     assert mla_decode.plan(256, 16, 512, 64, 2048, 16, bf16).path == "pallas"
     assert mla_decode.plan(197, 128, 512, 64, 2048, 64, bf16).path == "mgpu"  # 64-token pages: one a tile
     assert mla_decode.plan(197, 128, 512, 64, 2048, 128, bf16).path != "mgpu"  # a page bigger than a tile
+    # The verify's rows: each on its own by default (together not yet measured), together where mgpu is forced
+    assert "rows" not in mla_decode.plan(197, 128, 512, 64, 2048, 16, bf16, rows=2).params
+    monkeypatch.setenv(common.MLA_KERNEL_ENV, "mgpu")
+    p = mla_decode.plan(16, 128, 512, 64, 8192, 16, bf16, rows=3)
+    assert (p.path, p.params) == ("mgpu", {"block_t": 64, "num_stages": 2, "num_splits": 1, "rows": 3})  # 16 x 8 CTAs
+    assert "rows" not in mla_decode.plan(16, 128, 512, 64, 8192, 16, bf16, rows=5).params  # 1 to 4 rows
     monkeypatch.setenv(common.MLA_KERNEL_ENV, "triton")
     assert mla_decode.plan(197, 128, 512, 64, 2048, 16, bf16).path == "triton"
     monkeypatch.setattr(common, "hopper", lambda: False)  # Ampere / ROCm: no Mosaic GPU kernel

@@ -103,6 +103,14 @@ def test_bad_arguments_name_the_field():
         mgpu_mla_decode(q, qr, cache, bt, lens, **dict(kw, layer=2))
     with pytest.raises(ValueError, match="q_rope"):
         mgpu_mla_decode(q, qr[:, :32], cache, bt, lens, **kw)
+    with pytest.raises(ValueError, match="rows"):  # 1 to 4 query rows a sequence
+        mgpu_mla_decode(jnp.ones((1, 5, 64, 128), BF16), jnp.ones((1, 5, 64, 64), BF16), cache, bt,
+                        jnp.ones((1, 5), jnp.int32), **kw)
+    with pytest.raises(ValueError, match="seq_lens"):  # the rows' lengths [B, Q]
+        mgpu_mla_decode(q[:, None], qr[:, None], cache, bt, lens, **kw)
+    with pytest.raises(ValueError, match="heads"):  # 2 rows: CTAs of 32 heads
+        mgpu_mla_decode(jnp.ones((1, 2, 16, 128), BF16), jnp.ones((1, 2, 16, 64), BF16), cache, bt,
+                        jnp.ones((1, 2), jnp.int32), **kw)
 
 
 def test_shared_memory_fits_hopper():
@@ -134,8 +142,8 @@ def test_lowers_for_cuda_at_deepseek_shapes(kv, splits, monkeypatch):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter run (CPU)")
 def test_selected_through_mla_decode_run_with_verify_rows(monkeypatch):
     """mla_decode.run with the kernel chosen (mla_kernel=mgpu) takes the speculative verify's rows a sequence
-    (each row its own length, the sequence's block table repeated) and equals the XLA path (float64 reference
-    bounds as above)."""
+    (each row its own length) together (the context read once) and equals the XLA path over each row with
+    the sequence's block table (float64 reference bounds as above)."""
     from moejax.kernels import common, mla_decode
     monkeypatch.setenv(common.MLA_KERNEL_ENV, "mgpu")
     B, Q, H, C, R, bs, nb = 2, 2, 64, 128, 64, 16, 8
@@ -145,6 +153,7 @@ def test_selected_through_mla_decode_run_with_verify_rows(monkeypatch):
     cache, stored = stored_cache(values, "bf16", C + R)
     scale = 1.2 / (C + R) ** 0.5
     assert mla_decode.plan(B * Q, H, C, R, nb * bs, bs, cache.dtype, "pallas").path == "mgpu"
+    assert mla_decode.plan(B, H, C, R, nb * bs, bs, cache.dtype, "pallas", rows=Q).params["rows"] == Q
     with common.kernel_mode("pallas"):
         got = mla_decode.run(ql, qr, cache, bt, lens, bs, scale, layer=1, rows=Q)
     exact = mla_reference(ql, qr, stored, jnp.repeat(bt, Q, axis=0), lens, bs, scale)

@@ -2,11 +2,13 @@
 ``triton_mla_decode``, the Pallas ``paged_decode_attention`` or XLA's gather path (``xla``). ``plan``
 decides once from the shapes, the cache dtype and the platform; ``run`` computes its path.
 
-Rule: Triton for an FP8 cache with 64+ heads on CUDA with jax-triton (Hopper: up to 216 KB of shared
-memory; ROCm's 64 KB of LDS cannot hold its tiles); else Pallas (fewer heads over FP8: its gather tile,
-11-14% faster than Triton at 16 heads), or XLA for an FP8 cache with 64+ heads (paged_decode.slow_fp8). Several query rows a sequence (the speculative verify): together in the Triton
-kernel (a sequence's context read once for all its rows) only where one row leaves its 64-row tile part
-empty (``rows_together``); at 64+ heads each row on its own.
+Rule: on Hopper the Mosaic GPU kernel (``mgpu``) over bf16 caches at multiples of 64 heads; else Triton for an
+FP8 cache with 64+ heads on CUDA with jax-triton (Hopper: up to 216 KB of shared memory; ROCm's 64 KB of LDS
+cannot hold its tiles); else Pallas (fewer heads over FP8: its gather tile, 11-14% faster than Triton at 16
+heads), or XLA for an FP8 cache with 64+ heads (paged_decode.slow_fp8). Several query rows a sequence (the
+speculative verify): together in the Triton kernel (a sequence's context read once for all its rows) only
+where one row leaves its 64-row tile part empty (``rows_together``), in the Mosaic GPU kernel where it is
+forced (``mgpu_rows_together``: not yet measured); at 64+ heads each row on its own by default.
 Measured: BENCHMARKS.md, "MLA and MFA decode kernels" (H100 tiling sweeps benchmarks/2026-12-07/h100/r1/mla128s.txt,
 mla16s.txt and, FP8 on Pallas, benchmarks/2026-12-07d/h100/r1/; rows together or not
 benchmarks/2026-12-07b/h100/r1/mla128.txt and mla16.txt).
@@ -44,7 +46,7 @@ def mla_kernel(heads: int, latent: int, rope: int, cache_dtype, rows: int = 1) -
     return "triton" if ok and jax_triton_compat.available()[0] else "pallas"
 
 
-def mgpu_fits(heads: int, latent: int, rope: int, cache_dtype, block_size: int = 16) -> bool:
+def mgpu_fits(heads: int, latent: int, rope: int, cache_dtype, block_size: int = 16, rows: int = 1) -> bool:
     """The Mosaic GPU kernel's shapes (pallas_kernels/mgpu_mla_decode.check_shapes): 64-head CTAs over a bf16
     cache, pages that tile its 64 tokens. Not FP8 caches yet: on jax 0.11.2 Mosaic tiles the rows' copies in
     128 bytes, which kv_quant's 592-byte rows are not (BENCHMARKS.md, 2026-12-07f); the kernel takes rows padded
@@ -52,7 +54,7 @@ def mgpu_fits(heads: int, latent: int, rope: int, cache_dtype, block_size: int =
     if paged_decode.fp8_cache(cache_dtype):
         return False
     try:
-        mgpu.check_shapes(heads, latent, rope, 64, block_size, cache_dtype, jnp.bfloat16)
+        mgpu.check_shapes(heads, latent, rope, 64, block_size, cache_dtype, jnp.bfloat16, rows)
     except ValueError:
         return False
     return True
@@ -81,6 +83,15 @@ def triton_params(batch: int, heads: int, max_len: int, fp8: bool = False) -> di
                 num_stages=stages)
 
 
+def mgpu_rows_together(heads: int, latent: int, rope: int, cache_dtype, block_size: int, rows: int) -> bool:
+    """Whether the Mosaic GPU kernel takes a sequence's ``rows`` query rows together (a CTA's 64 wgmma rows
+    as rows x 64/rows heads: the context read once, the same products; 3 rows use 48 of the 64): where the
+    kernel is forced (``mla_kernel=mgpu``: measuring) and the shapes fit. Not by default until measured
+    against the rows each on their own (benchmarks/2026-12-07g/gpu1.sh d: not yet run on a GPU)."""
+    forced = common.override("mla_kernel", MLA_KERNEL_ENV, MLA_KERNELS) == "mgpu"
+    return forced and mgpu_fits(heads, latent, rope, cache_dtype, block_size, rows) and mgpu.available()[0]
+
+
 def rows_together(batch: int, heads: int, rows: int, fp8: bool) -> bool:
     """Whether ``rows`` query rows a sequence run together in the Triton kernel (else each row on its own):
     below 64 heads (one row does not fill the 64-row tile), over an FP8 cache from 64 (row, head) pairs or
@@ -93,15 +104,17 @@ def rows_together(batch: int, heads: int, rows: int, fp8: bool) -> bool:
 
 def plan(batch: int, heads: int, latent: int, rope: int, max_len: int, block_size: int, cache_dtype,
          mode: str | None = None, rows: int = 1) -> Plan:
-    """"triton" / "pallas" with its tiling, or "xla". ``rows`` > 1 (query rows a sequence, ``batch``
-    sequences): "rows" in the params where the Triton kernel takes them together; else the plan is for
-    one row a sequence and the caller gives every row its own block table."""
+    """"mgpu" / "triton" / "pallas" with its tiling, or "xla". ``rows`` > 1 (query rows a sequence, ``batch``
+    sequences): "rows" in the params where the Mosaic GPU or Triton kernel takes them together; else the
+    plan is for one row a sequence and the caller gives every row its own block table."""
     use, forced = want_kernel(mode)
     if not use:
         return Plan("xla", reason="mode or platform")
     if not forced and not (triton_dim(latent) and triton_dim(rope) and heads >= 1):
         return Plan("xla", reason="latent / rope dims not powers of two >= 16 (Triton blocks)")
     fp8 = paged_decode.fp8_cache(cache_dtype)
+    if rows > 1 and mgpu_rows_together(heads, latent, rope, cache_dtype, block_size, rows):
+        return Plan("mgpu", dict(mgpu_params(batch, heads, max_len, rows), rows=rows), plan_reason(forced))
     if rows > 1:
         if forced or common.override("mla_kernel", MLA_KERNEL_ENV, MLA_KERNELS) != "auto":  # tests, measuring
             together = (forced or fp8) and mla_kernel(heads, latent, rope, cache_dtype, rows) == "triton"
@@ -134,7 +147,8 @@ def run(q_latent, q_rope, cache, block_tables, seq_lens, block_size: int, scale:
         pl = plan(B, H, C, R, max_len, block_size, cache.dtype, mode, rows=rows)
         if "rows" in pl.params:
             params = {k: v for k, v in pl.params.items() if k != "rows"}
-            ctx = triton_mla_decode(q_latent.reshape(B, rows, H, C), q_rope.reshape(B, rows, H, R), cache,
+            fn = mgpu.mgpu_mla_decode if pl.path == "mgpu" else triton_mla_decode
+            ctx = fn(q_latent.reshape(B, rows, H, C), q_rope.reshape(B, rows, H, R), cache,
                                     block_tables, seq_lens.reshape(B, rows), **kw, **params)
             return ctx.reshape(N, H, C)
         block_tables = jnp.repeat(block_tables, rows, axis=0)
