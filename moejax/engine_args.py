@@ -32,7 +32,7 @@ import inspect
 import json
 from typing import Any, Callable
 
-from moejax.kernels.common import (KERNEL_MODES, MLA_KERNELS, MOE_KERNELS, SHARED_FUSION, W8A8_DENSE_KERNELS,
+from moejax.kernels.common import (KERNEL_MODES, MFA_KERNELS, MLA_KERNELS, MOE_KERNELS, SHARED_FUSION, W8A8_DENSE_KERNELS,
                                     W8A8_KERNELS)
 from moejax.layers.fp8_policy import VARIANTS, Fp8Policy
 from moejax.kernels.kv_quant import KV_CACHE_DTYPES
@@ -239,6 +239,9 @@ class EngineArgs:
         "MLA decode's kernel on a GPU: mgpu (Mosaic GPU; 64-head multiples over a bf16 cache on Hopper, the default "
         "there), triton (64+ heads over an FP8 cache on CUDA, the default there) or pallas",
         MLA_KERNELS, "mla_decode.py: mla_kernel")
+    mfa_kernel: str = kernel_choice(
+        "Step3 MFA decode's kernel on a GPU: pallas (the default) or mgpu (Mosaic GPU on Hopper: 64-head multiples "
+        "over a bf16 cache, not yet measured)", MFA_KERNELS, "mfa_decode.py: mfa_kernel")
     fp8_fast_accum: bool = switch(
         triton_fp8_dots.DEFAULT, "FP8 x FP8 dots of the Pallas kernels on Hopper's wgmma (Triton's own FP8 default; "
         "pallas_kernels/triton_fp8_dots.py); --no-fp8-fast-accum keeps Triton-lowering's precise "

@@ -29,6 +29,8 @@ GPU, so the selection keeps Triton for FP8 caches. Measured: BENCHMARKS.md 2026-
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -112,6 +114,19 @@ def heads_a_cta(rows: int) -> int:
     return ROWS_HEADS[rows]
 
 
+class _Layout(NamedTuple):
+    """What a tile holds and who reads what. ``blocks``: (first column, width) of a cache row copied per tile,
+    each block its own shared buffer; ``k_of[w]``: warpgroup w's score contraction, (block, query part)
+    pairs, a query part "q0" / "q1" (the query halves' buffers) or "rope" (MLA's rope query, staged through
+    that block's buffer into warpgroup 0's registers); ``v_of[w]``: the block warpgroup w multiplies the
+    probabilities with (its half of the context columns); ``q_copies``: (query input, first column, width,
+    part) copied once."""
+    blocks: tuple
+    k_of: tuple
+    v_of: tuple
+    q_copies: tuple
+
+
 def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_size: int, scale: float,
                     layer: int | None = None, block_t: int = 64, num_stages: int = 2, num_splits: int = 1,
                     out_dtype=None, interpret=None):
@@ -128,16 +143,13 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
         q_latent, q_rope, seq_lens = q_latent[:, None], q_rope[:, None], seq_lens[:, None]
     B, Q, H, C = q_latent.shape
     R = q_rope.shape[-1]
-    hq = heads_a_cta(Q)
     if q_rope.shape[:3] != (B, Q, H):
         raise ValueError(f"q_rope: expected [B={B}, {f'Q={Q}, ' if grouped else ''}H={H}, R], got {q_rope.shape}")
-    if seq_lens.shape != (B, Q):
-        raise ValueError(f"seq_lens: expected {[B, Q] if grouped else [B]}, got "
-                         f"{list(seq_lens.shape if grouped else seq_lens.shape[:1])}")
+    _check_lens(seq_lens, B, Q, grouped)
     cache, layer = layered_cache(cache, layer, block_tables, B)
     check_shapes(H, C, R, block_t, block_size, cache.dtype, q_latent.dtype, Q)
-    L, slots, D = cache.shape
     fp8 = jnp.dtype(cache.dtype) == jnp.dtype(FP8)
+    D = cache.shape[-1]
     if D < C + R + (SCALE_BOX if fp8 else 0):
         raise ValueError(f"cache: rows of {D} cannot hold latent {C} + rope {R}"
                          f"{f' + the scale byte and its padding ({SCALE_BOX})' if fp8 else ''}")
@@ -145,6 +157,56 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
         # Mosaic tiles the cache's rows in the copies' swizzle (up to 128 bytes): an FP8 row must be whole tiles.
         raise ValueError(f"cache: FP8 rows of {D} bytes; the Mosaic GPU kernel copies rows of a multiple of "
                          f"{FP8_ROW_ALIGN} bytes (kv_quant's row width rounded up: fp8_row_dim)")
+    Ch = C // 2
+    # Warpgroup 0: the latent's first half and the rope part; 1: the second half (keys and values alike).
+    layout = _Layout(blocks=((0, Ch), (Ch, Ch), (C, R)), k_of=(((0, "q0"), (2, "rope")), ((1, "q1"),)),
+                     v_of=(0, 1), q_copies=((0, 0, Ch, "q0"), (0, Ch, Ch, "q1"), (1, 0, R, "rope")))
+    out = _paged_decode((q_latent, q_rope), cache, block_tables, seq_lens, layout, layer=layer,
+                        block_size=block_size, scale=scale, block_t=block_t, num_stages=num_stages,
+                        num_splits=num_splits, out_dtype=out_dtype, interpret=interpret, fp8=fp8)
+    return out if grouped else out[:, 0]
+
+
+def mgpu_mfa_decode(q, cache, block_tables, seq_lens, *, block_size: int, scale: float, layer: int | None = None,
+                    block_t: int = 64, num_stages: int = 2, num_splits: int = 1, out_dtype=None, interpret=None):
+    """Step3's MFA decode (every query head against one K/V head): q [B, H, D], cache [num_slots, 2D] rows
+    [k | v] bf16 (or [L, num_slots, 2D] with ``layer``), block_tables [B, nb], seq_lens [B] (>= 1) -> context
+    [B, H, D] in ``out_dtype`` (float32 by default), as ``mfa_decode.run``'s Pallas path. The MLA kernel's
+    design on MFA's row: warpgroup 0 contracts the key's first half and multiplies the value's first half,
+    1 the second halves (64 heads a CTA; 176 KB of shared memory at 64 tokens, 2 slots)."""
+    if plgpu is None:
+        raise ValueError(f"mgpu_mfa_decode: {_MISSING}; the Pallas MFA kernel instead")
+    B, H, D = q.shape
+    if seq_lens.shape != (B,):
+        raise ValueError(f"seq_lens: expected [{B}], got {list(seq_lens.shape)}")
+    cache, layer = layered_cache(cache, layer, block_tables, B)
+    check_shapes(H, D, 0, block_t, block_size, cache.dtype, q.dtype)
+    if jnp.dtype(cache.dtype) != jnp.dtype(jnp.bfloat16):
+        raise ValueError(f"cache dtype: the Mosaic GPU MFA kernel reads bf16 caches, got {jnp.dtype(cache.dtype)}")
+    if cache.shape[-1] != 2 * D:
+        raise ValueError(f"cache: rows of {cache.shape[-1]}; MFA's rows are [k | v] = {2 * D} (one K/V head)")
+    Dh = D // 2
+    layout = _Layout(blocks=((0, Dh), (Dh, Dh), (D, Dh), (D + Dh, Dh)), k_of=(((0, "q0"),), ((1, "q1"),)),
+                     v_of=(2, 3), q_copies=((0, 0, Dh, "q0"), (0, Dh, Dh, "q1")))
+    out = _paged_decode((q[:, None],), cache, block_tables, seq_lens[:, None], layout, layer=layer,
+                        block_size=block_size, scale=scale, block_t=block_t, num_stages=num_stages,
+                        num_splits=num_splits, out_dtype=out_dtype, interpret=interpret, fp8=False)
+    return out[:, 0]
+
+
+def _check_lens(seq_lens, B, Q, grouped):
+    if seq_lens.shape != (B, Q):
+        raise ValueError(f"seq_lens: expected {[B, Q] if grouped else [B]}, got "
+                         f"{list(seq_lens.shape if grouped else seq_lens.shape[:1])}")
+
+
+def _paged_decode(q_inputs, cache, block_tables, seq_lens, layout: _Layout, *, layer, block_size, scale, block_t,
+                  num_stages, num_splits, out_dtype, interpret, fp8):
+    """The kernel over ``layout``: q_inputs [B, Q, H, *] each, cache [L, slots, row], seq_lens [B, Q] ->
+    [B, Q, H, 2 x the value blocks' width] in ``out_dtype``."""
+    B, Q, H = q_inputs[0].shape[:3]
+    hq = heads_a_cta(Q)
+    L, slots, D = cache.shape
     if slots % block_size:
         raise ValueError(f"cache: {slots} slots are not whole blocks of {block_size}")
     if num_stages < 2:
@@ -154,7 +216,11 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
     max_len = nb * block_size
     split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_t) * block_t
     num_splits = pl.cdiv(max_len, split_len)
-    Ch = C // 2
+    widths = [w for _, w in layout.blocks]
+    Ch = widths[layout.v_of[0]]  # a warpgroup's context columns, the query halves' width too
+    C = 2 * Ch
+    assert widths[layout.v_of[1]] == Ch and all(w == Ch for _, _, w, part in layout.q_copies if part != "rope")
+    rope_block = next((blk for pairs in layout.k_of for blk, part in pairs if part == "rope"), None)
     bt, bs, S = block_t, block_size, num_splits
     pages_a_tile = bt // bs
     # bf16: the wgmma operands are the TMA'd tiles, num_stages slots. FP8: one slot of raw rows, widened by
@@ -172,13 +238,21 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
         interpret = interpret_mode()
     interp = bool(interpret)
     if not interp and platform() != "cuda":
-        raise ValueError(f"mgpu_mla_decode: Mosaic GPU compiles for CUDA (Hopper) only, not {platform()}; ROCm keeps "
-                         "the Triton kernel (mla_kernel=triton)")
+        raise ValueError(f"the Mosaic GPU decode kernels compile for CUDA (Hopper) only, not {platform()}; ROCm "
+                         "keeps the Triton / Pallas kernels (mla_kernel=triton)")
     cache4 = cache.reshape(L, slots // bs, bs, D)
+    nq, nblk = len(q_inputs), len(layout.blocks)
+    # The rope query's staging slot in its block's buffer: bf16 slot 1 (the memory warpgroup fills it once
+    # warpgroup 0 has read it), FP8 the widened tile's (0 writes it).
+    rope_slot = 0 if fp8 else 1
+    scale_col = max(c0 + w for c0, w in layout.blocks)  # an FP8 row's scale byte: right after its values
 
-    def body(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, scoped):
-        (q_lo, q_hi, k_lo, k_hi, k_rp, xch, lse_smem, *raw), (q_bar, k_bar, k_free, x_full, rope_read, x_done) = scoped
-        r_lo, r_hi, r_rp, r_sc, k_sc = raw if fp8 else (k_lo, k_hi, k_rp, None, None)
+    def body(*refs):
+        q_refs, (cache_ref, bt_ref, len_ref, o_ref, lse_ref, scoped) = refs[:nq], refs[nq:]
+        (q_half, tiles, xch, lse_smem, raw, k_sc), (q_bar, k_bar, k_free, x_full, rope_read, x_done) = scoped
+        q_part = {"q0": q_half[0], "q1": q_half[1]}
+        raw = raw if fp8 else tiles
+        r_sc = raw[nblk] if fp8 else None
         b = lax.axis_index("b")
         s = lax.axis_index("s")
         h0 = lax.axis_index("h") * hq
@@ -199,11 +273,9 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             heads = pl.ds(h0, hq)
             for r in range(Q):  # query row r's heads in rows r * hq of the buffers
                 mine = pl.ds(r * hq, hq)
-                plgpu.copy_gmem_to_smem(ql_ref.at[b, r, heads, pl.ds(0, Ch)], q_lo.at[mine], q_bar)
-                plgpu.copy_gmem_to_smem(ql_ref.at[b, r, heads, pl.ds(Ch, Ch)], q_hi.at[mine], q_bar)
-                # The query's rope part passes through a rope tile buffer into warpgroup 0's registers: bf16
-                # slot 1's (the memory warpgroup fills it once 0 has read it), FP8 the widened tile's (0 writes it).
-                plgpu.copy_gmem_to_smem(qr_ref.at[b, r, heads], k_rp.at[0 if fp8 else 1, mine], q_bar)
+                for src, c0, w, part in layout.q_copies:
+                    dst = tiles[rope_block].at[rope_slot, mine] if part == "rope" else q_part[part].at[mine]
+                    plgpu.copy_gmem_to_smem(q_refs[src].at[b, r, heads, pl.ds(c0, w)], dst, q_bar)
 
             def issue(tile, slot):
                 first = (start + tile * bt) // bs
@@ -212,15 +284,14 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                     page = bt_ref[b, jnp.minimum(first + j, last_page)]
                     src = cache_ref.at[layer, page]
                     rows = pl.ds(j * bs, bs)
-                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(0, Ch)], r_lo.at[slot, rows], k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(Ch, Ch)], r_hi.at[slot, rows], k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(src.at[:, pl.ds(C, R)], r_rp.at[slot, rows], k_bar.at[slot])
+                    for (c0, w), dst in zip(layout.blocks, raw):
+                        plgpu.copy_gmem_to_smem(src.at[:, pl.ds(c0, w)], dst.at[slot, rows], k_bar.at[slot])
                     if fp8:
-                        plgpu.copy_gmem_to_smem(src.at[:, pl.ds(C + R, SCALE_BOX)], r_sc.at[slot, rows],
+                        plgpu.copy_gmem_to_smem(src.at[:, pl.ds(scale_col, SCALE_BOX)], r_sc.at[slot, rows],
                                                 k_bar.at[slot])
 
             pl.when(n_tiles > 0)(lambda: issue(0, 0))
-            if not fp8:
+            if rope_block is not None and not fp8:
                 plgpu.barrier_wait(rope_read)
             for i in range(1, raw_stages):
                 pl.when(i < n_tiles)(lambda i=i: issue(i, i))
@@ -235,18 +306,21 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             plgpu.set_max_registers(232, action="increase")
             plgpu.barrier_wait(q_bar)
             f32 = jnp.float32
-            q_rope = None
-            if role == 0:
-                q_rope = k_rp.at[0 if fp8 else 1][...]
-                if not fp8:
-                    plgpu.barrier_arrive(rope_read)
-            k_half = k_lo if role == 0 else k_hi
+            q_ops = {}
+            for blk, part in layout.k_of[role]:
+                if part == "rope":  # into registers (wgmma's left operand), its staging slot freed
+                    q_ops[part] = tiles[blk].at[rope_slot][...]
+                    if not fp8:
+                        plgpu.barrier_arrive(rope_read)
+                else:
+                    q_ops[part] = q_part[part]
+            v_buf = tiles[layout.v_of[role]]
             chunks = Ch // 64
             # Register layouts are the compiler's (the interpreter has none).
             cast = (lambda x, _: x) if interp else plgpu.layout_cast
             m0 = cast(jnp.full((HEADS,), -1e30, f32), plgpu.Layout.WGMMA.reduce(1))
             l0 = cast(jnp.zeros((HEADS,), f32), plgpu.Layout.WGMMA.reduce(1))
-            # The context half as one accumulator: one wgmma of 256 columns a tile (four of 64 waited for
+            # The context half as one accumulator: one wgmma of all its columns a tile (four of 64 waited for
             # one after another were slower).
             acc0 = cast(jnp.zeros((HEADS, Ch), f32), plgpu.Layout.WGMMA)
             ones = cast(jnp.ones((HEADS, SCALE_BOX), dt), plgpu.Layout.WGMMA) if fp8 else None
@@ -254,11 +328,10 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             load = (lambda r: r[...]) if interp else (  # the untiled scale box in the layout tiled stores take
                 lambda r: plgpu.load(r, (), layout=plgpu.Layout.WGMMA, optimized=False))
 
-            def mma(acc, a, b, a2=None, b2=None):
-                """acc + a @ b (+ a2 @ b2) in float32; with ``acc`` None the scores a @ b.T (+ a2 @ b2.T),
-                b a [tokens, columns] tile. wgmma on the device; in the interpreter (no transposed or
-                register operands there) the same products as jnp.dot of the loaded values."""
-                pairs = [(a, b)] + ([(a2, b2)] if a2 is not None else [])
+            def mma(acc, pairs):
+                """acc + a @ b over (a, b) ``pairs`` in float32; with ``acc`` None the scores sum a @ b.T, b a
+                [tokens, columns] tile. wgmma on the device; in the interpreter (no transposed or register
+                operands there) the same products as jnp.dot of the loaded values."""
                 if interp:
                     val = lambda x: x if isinstance(x, jax.Array) or not hasattr(x, "at") else x[...]  # noqa: E731
                     out = sum(jnp.dot(val(x).astype(f32), (val(y).T if acc is None else val(y)).astype(f32))
@@ -269,8 +342,9 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                         for x, y in pairs:
                             plgpu.wgmma(r, x, plgpu.transpose_ref(y, (1, 0)))
                         return r[...]
-                    return pl.run_scoped(scores, plgpu.ACC((HEADS, b.shape[0]), f32))
-                return pl.run_state(lambda r: plgpu.wgmma(r, a, b))(plgpu.ACC.init(acc))
+                    return pl.run_scoped(scores, plgpu.ACC((HEADS, pairs[0][1].shape[0]), f32))
+                (a, b_), = pairs
+                return pl.run_state(lambda r: plgpu.wgmma(r, a, b_))(plgpu.ACC.init(acc))
 
             def tile_step(tile, carry):
                 m, l, acc = carry
@@ -278,8 +352,8 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                 plgpu.barrier_wait(k_bar.at[slot])
                 row_scale = None
                 if fp8:  # slot is 0, the raw rows' and the widened tile's (kept traced: the lowering wants it so)
-                    widen = [(r_lo if role == 0 else r_hi, k_half)] + ([(r_rp, k_rp)] if role == 0 else [])
-                    for src, dst in widen:
+                    for blk in dict.fromkeys([blk for blk, _ in layout.k_of[role]] + [layout.v_of[role]]):
+                        src, dst = raw[blk], tiles[blk]
                         for c0 in range(0, src.shape[-1], 128):  # 128 columns at a time: registers
                             w = min(128, src.shape[-1] - c0)
                             dst[0, :, pl.ds(c0, w)] = src[0, :, pl.ds(c0, w)].astype(f32).astype(dt)
@@ -289,19 +363,18 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                     plgpu.commit_smem()  # the widened tiles, written by threads, read by wgmma
                     pl.when(tile + 1 < n_tiles)(lambda: plgpu.barrier_arrive(k_free.at[0]))
                     # Every token's scale in the scores' layout: ones [64, 16] @ [scale | 0...]^T.
-                    row_scale = mma(None, ones, k_sc.at[role])
+                    row_scale = mma(None, [(ones, k_sc.at[role])])
                 # The partial scores swapped through one buffer, in turn: warpgroup 1 writes its own (its
-                # contraction is the shorter), 0 reads it and writes its own, 1 reads that. The buffer is
-                # written again only after both reads (1 writes the next tile's after its read).
+                # contraction is the shorter or the same), 0 reads it and writes its own, 1 reads that. The
+                # buffer is written again only after both reads (1 writes the next tile's after its read).
+                part = mma(None, [(q_ops[qp], tiles[blk].at[slot]) for blk, qp in layout.k_of[role]])
                 if role == 0:
-                    part = mma(None, q_lo, k_lo.at[slot], q_rope, k_rp.at[slot])
                     plgpu.barrier_wait(x_full.at[1])
                     theirs = xch[...]
                     xch[...] = part
                     plgpu.barrier_arrive(x_full.at[0])
                     sc = part + theirs
                 else:
-                    part = mma(None, q_hi, k_hi.at[slot])
                     xch[...] = part
                     plgpu.barrier_arrive(x_full.at[1])
                     plgpu.barrier_wait(x_full.at[0])
@@ -324,7 +397,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
                 p = jnp.exp2(sc - lax.broadcast_in_dim(m_new, sc.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 p16 = (p if row_scale is None else p * row_scale).astype(dt)
-                acc = mma(acc * lax.broadcast_in_dim(alpha, (HEADS, Ch), [0]), p16, k_half.at[slot])
+                acc = mma(acc * lax.broadcast_in_dim(alpha, (HEADS, Ch), [0]), [(p16, v_buf.at[slot])])
                 # Every arrival is waited for (the interpreter checks it): the last num_stages tiles free no
                 # slot to refill.
                 if not fp8:
@@ -337,11 +410,11 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             col0 = role * Ch
             out = acc * lax.broadcast_in_dim(inv, (HEADS, Ch), [0])
             if stage_bf16:
-                q_half = q_lo if role == 0 else q_hi  # this warpgroup's own query half, read for the last time
-                q_half[...] = out.astype(dt)
+                mine = q_half[role]  # this warpgroup's own query half, read for the last time
+                mine[...] = out.astype(dt)
                 plgpu.commit_smem()
                 for r in range(Q):
-                    plgpu.copy_smem_to_gmem(q_half.at[pl.ds(r * hq, hq)],
+                    plgpu.copy_smem_to_gmem(mine.at[pl.ds(r * hq, hq)],
                                             o_ref.at[b * Q + r, s, pl.ds(h0, hq), pl.ds(col0, Ch)])
             else:  # float32 through the exchange buffer, 64 columns at a time: 0's once 1 has read it, then 1's
                 if role == 1:
@@ -368,7 +441,7 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
         pl.when(wg == 0)(lambda: compute(0))
         pl.when(wg == 1)(lambda: compute(1))
 
-    def entry(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref):
+    def entry(*refs):
         def tiled(dtype, cols):  # wgmma / TMA layout: rows of min(128, a row's bytes) swizzled
             swizzle = min(128, cols * jnp.dtype(dtype).itemsize)
             return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
@@ -377,37 +450,37 @@ def mgpu_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, *, block_si
             return plgpu.SMEM((slots, bt, cols), dtype, transforms=tiled(dtype, cols))
 
         conv = 1 if fp8 else num_stages
+        raw = ()
+        k_sc = None
+        if fp8:  # the raw rows' slot (then its scale box) and each compute warpgroup's [scale | 0...] tile
+            # Raw rows tiled as the swizzled copies write them (fp8_row_dim: whole 128-byte tiles a row).
+            raw = tuple(tile(1, w, FP8) for w in widths) + (plgpu.SMEM((1, bt, SCALE_BOX), FP8),)
+            k_sc = tile(2, SCALE_BOX)
         smem = (
-            plgpu.SMEM((HEADS, Ch), dt, transforms=tiled(dt, Ch)),
-            plgpu.SMEM((HEADS, Ch), dt, transforms=tiled(dt, Ch)),
-            tile(conv, Ch), tile(conv, Ch), tile(conv, R),
+            tuple(plgpu.SMEM((HEADS, Ch), dt, transforms=tiled(dt, Ch)) for _ in range(2)),
+            tuple(tile(conv, w) for w in widths),
             plgpu.SMEM((HEADS, bt), jnp.float32, transforms=tiled(jnp.float32, bt)),
             plgpu.SMEM((HEADS,), jnp.float32),
+            raw, k_sc,
         )
-        if fp8:  # the raw rows' slot and each compute warpgroup's [scale | 0...] tile
-            # Raw rows tiled as the swizzled copies write them (fp8_row_dim: whole 128-byte tiles a row).
-            smem += (tile(1, Ch, FP8), tile(1, Ch, FP8), tile(1, R, FP8), plgpu.SMEM((1, bt, SCALE_BOX), FP8),
-                     tile(2, SCALE_BOX))
         barriers = (
-            plgpu.Barrier(num_arrivals=3 * Q),
-            plgpu.Barrier(num_arrivals=(4 if fp8 else 3) * pages_a_tile, num_barriers=raw_stages),
+            plgpu.Barrier(num_arrivals=len(layout.q_copies) * Q),
+            plgpu.Barrier(num_arrivals=(nblk + fp8) * pages_a_tile, num_barriers=raw_stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=raw_stages),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(),
             plgpu.Barrier(num_barriers=2),
         )
-        pl.run_scoped(lambda *a: body(ql_ref, qr_ref, cache_ref, bt_ref, len_ref, o_ref, lse_ref, a),
-                      smem, barriers, collective_axes="wg")
+        pl.run_scoped(lambda *a: body(*refs, a), smem, barriers, collective_axes="wg")
 
     kernel = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((B * Q, S, H, C), o_dtype), jax.ShapeDtypeStruct((B * Q, S, H), jnp.float32)),
         grid=(H // hq, S, B), grid_names=("h", "s", "b"), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0), interpret=_interpret_params(interpret))
-    o, lse = kernel(q_latent.astype(dt), q_rope.astype(dt), cache4, block_tables.astype(jnp.int32),
+    o, lse = kernel(*(x.astype(dt) for x in q_inputs), cache4, block_tables.astype(jnp.int32),
                     seq_lens.astype(jnp.int32))
-    out = combine_splits(o, lse, out_dtype)
-    return out.reshape(B, Q, H, C) if grouped else out
+    return combine_splits(o, lse, out_dtype).reshape(B, Q, H, C)
 
 
 def smem_bytes(latent: int, rope: int, block_t: int, num_stages: int, fp8: bool = False) -> int:

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.mgpu_mla_decode import fp8_row_dim, mgpu_mla_decode, smem_bytes
-from test_kernels import BF16, fresh_key_seed, mla_inputs, mla_reference, rel_err, stored_cache
+from pallas_kernels.mgpu_mla_decode import fp8_row_dim, mgpu_mfa_decode, mgpu_mla_decode, smem_bytes
+from test_kernels import BF16, fresh_key_seed, mfa_reference, mla_inputs, mla_reference, rel_err, stored_cache
 
 ON_HOPPER = jax.default_backend() == "gpu" and "H100" in jax.devices()[0].device_kind or \
     jax.default_backend() == "gpu" and "H200" in jax.devices()[0].device_kind
@@ -159,4 +159,84 @@ def test_selected_through_mla_decode_run_with_verify_rows(monkeypatch):
     exact = mla_reference(ql, qr, stored, jnp.repeat(bt, Q, axis=0), lens, bs, scale)
     xla = mla_decode.xla(ql, qr, cache, jnp.repeat(bt, Q, axis=0), lens, bs, scale, layer=1)
     assert got.shape == (B * Q, H, C)
+    assert rel_err(got, exact) < 1e-2 and rel_err(got, xla) < 1e-2
+
+
+def _check_mfa(B, H, D, block_size, nb, lens, splits, interpret):
+    """Step3's MFA rows [k | v] (one K/V head) through the Mosaic GPU kernel against float64 attention."""
+    k = jax.random.split(jax.random.key(fresh_key_seed()), 3)
+    num_slots = B * nb * block_size + block_size
+    values = jax.random.normal(k[0], (2, num_slots, 2 * D))
+    q = jax.random.normal(k[1], (B, H, D)).astype(BF16)
+    bt = jax.random.permutation(k[2], num_slots // block_size)[:B * nb].reshape(B, nb).astype(jnp.int32)
+    lens = jnp.asarray(lens, jnp.int32)
+    cache = values.astype(BF16)
+    scale = D ** -0.5
+    exact = mfa_reference(q, cache[1].astype(jnp.float32), bt, lens, block_size, scale)
+    kw = dict(block_size=block_size, scale=scale, layer=1, num_splits=splits, interpret=interpret)
+    got = mgpu_mfa_decode(q, cache, bt, lens, **kw)
+    assert got.shape == (B, H, D) and got.dtype == jnp.float32
+    for b in range(B):
+        assert rel_err(got[b], exact[b]) < 1e-2, b
+    gb = mgpu_mfa_decode(q, cache, bt, lens, out_dtype=BF16, **kw)
+    assert gb.dtype == BF16 and rel_err(gb, exact) < 1e-2
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter run (CPU); the GPU runs the compiled test")
+@pytest.mark.parametrize("lens,splits", [([1, 70], 1), ([128, 9], 2)])
+def test_interpreter_mfa_matches_reference(lens, splits):
+    _check_mfa(B=2, H=64, D=128, block_size=16, nb=8, lens=lens, splits=splits, interpret=True)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="compiled for sm_90 (an H100 or H200)")
+@pytest.mark.parametrize("B,nb,lens,splits", [(3, 40, [1, 333, 640], 1), (2, 64, [1024, 77], 4)])
+def test_device_mfa_matches_reference(B, nb, lens, splits):
+    _check_mfa(B=B, H=64, D=256, block_size=16, nb=nb, lens=lens, splits=splits, interpret=False)
+
+
+def test_mfa_bad_arguments_and_lowering(monkeypatch):
+    """The MFA entry's refusals, and Mosaic GPU's lowering at Step3's shapes (64 heads x 256, rows [k | v])."""
+    import functools
+
+    import pallas_kernels.mgpu_mla_decode as m
+    q, bt, lens = jnp.ones((1, 64, 256), BF16), jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
+    kw = dict(block_size=16, scale=0.1, layer=0, interpret=True)
+    with pytest.raises(ValueError, match="cache dtype"):
+        mgpu_mfa_decode(q, jnp.ones((1, 32, 512), jnp.float8_e4m3fn), bt, lens, **kw)
+    with pytest.raises(ValueError, match=r"\[k \| v\]"):
+        mgpu_mfa_decode(q, jnp.ones((1, 32, 576), BF16), bt, lens, **kw)
+    with pytest.raises(ValueError, match="heads"):
+        mgpu_mfa_decode(q[:, :48], jnp.ones((1, 32, 512), BF16), bt, lens, **kw)
+    with pytest.raises(ValueError, match="seq_lens"):
+        mgpu_mfa_decode(q, jnp.ones((1, 32, 512), BF16), bt, lens[:, None], **kw)
+    monkeypatch.setattr(m, "platform", lambda: "cuda")
+    B, H, D, bs, nb = 2, 64, 256, 16, 8
+    args = (jax.ShapeDtypeStruct((B, H, D), BF16), jax.ShapeDtypeStruct((1, B * nb * bs, 2 * D), BF16),
+            jax.ShapeDtypeStruct((B, nb), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
+    for splits in (1, 2):
+        f = jax.jit(functools.partial(mgpu_mfa_decode, block_size=bs, scale=0.1, layer=0, out_dtype=BF16,
+                                      num_splits=splits, interpret=False))
+        assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter run (CPU)")
+def test_mfa_selected_through_mfa_decode_run(monkeypatch):
+    """mfa_decode.run with mfa_kernel=mgpu forced takes the Mosaic GPU kernel (64-head multiples over bf16;
+    else the Pallas kernel) and equals the XLA path and float64 attention."""
+    from moejax.kernels import common, mfa_decode
+    monkeypatch.setenv(common.MFA_KERNEL_ENV, "mgpu")
+    B, H, D, bs, nb = 2, 64, 128, 16, 6
+    k = jax.random.split(jax.random.key(fresh_key_seed()), 3)
+    slots = B * nb * bs + bs
+    cache = jax.random.normal(k[0], (2, slots, 2 * D)).astype(BF16)
+    q = jax.random.normal(k[1], (B, H, D)).astype(BF16)
+    bt = jax.random.permutation(k[2], slots // bs)[:B * nb].reshape(B, nb).astype(jnp.int32)
+    lens = jnp.asarray([77, 5], jnp.int32)
+    assert mfa_decode.plan(B, H, D, 1, nb * bs, bs, cache.dtype, "pallas").path == "mgpu"
+    assert mfa_decode.plan(B, 48, D, 1, nb * bs, bs, cache.dtype, "pallas").path == "pallas"  # 48 heads
+    assert mfa_decode.plan(B, H, D, 1, nb * bs, bs, jnp.float8_e4m3fn, "pallas").path == "pallas"  # FP8
+    with common.kernel_mode("pallas"):
+        got = mfa_decode.run(q, cache, bt, lens, bs, D ** -0.5, 1, layer=1)
+    exact = mfa_reference(q, cache[1].astype(jnp.float32), bt, lens, bs, D ** -0.5)
+    xla = mfa_decode.xla(q, cache, bt, lens, bs, D ** -0.5, 1, layer=1)
     assert rel_err(got, exact) < 1e-2 and rel_err(got, xla) < 1e-2

@@ -8,7 +8,7 @@ them, else XLA. "pallas" forces the kernels everywhere; on CPU they run in the P
 (slow: tests only). ``MOEJAX_PALLAS_INTERPRET=1`` forces the interpreter on GPU as well (debugging).
 
 The kernel overrides are engine settings (moejax/engine_args.py: ``moe_kernel``, ``w8a8_kernel``,
-``w8a8_dense_kernel``, ``mla_kernel``), set while the step is traced (``kernel_settings``) and read by
+``w8a8_dense_kernel``, ``mla_kernel``, ``mfa_kernel``), set while the step is traced (``kernel_settings``) and read by
 each operation's rule through ``override``; a setting left at "auto" falls back to its environment
 variable (``MOEJAX_MOE_KERNEL``, ...: for kernel tests and measuring scripts without an engine), then
 to the rule.
@@ -34,12 +34,13 @@ _MODE: contextvars.ContextVar[str] = contextvars.ContextVar("moejax_kernels", de
 _SETTINGS: contextvars.ContextVar[Any] = contextvars.ContextVar("moejax_kernel_settings", default=None)
 SHARED_FUSION = ("auto", "on", "off")
 # Each kernel override's choices and environment variable (the engine settings moe_kernel, w8a8_kernel,
-# w8a8_dense_kernel, mla_kernel of moejax/engine_args.py; the rules that read them: moe.moe_kernel,
-# moe_fp8.w8a8_kernel, fp8_gemm.dense_w8a8_kernel, mla_decode.mla_kernel).
+# w8a8_dense_kernel, mla_kernel, mfa_kernel of moejax/engine_args.py; the rules that read them: moe.moe_kernel,
+# moe_fp8.w8a8_kernel, fp8_gemm.dense_w8a8_kernel, mla_decode.mla_kernel, mfa_decode.mfa_kernel).
 MOE_KERNELS, MOE_KERNEL_ENV = ("auto", "pallas", "triton"), "MOEJAX_MOE_KERNEL"
 W8A8_KERNELS, W8A8_KERNEL_ENV = ("auto", "triton", "pallas"), "MOEJAX_W8A8_KERNEL"
 W8A8_DENSE_KERNELS, W8A8_DENSE_KERNEL_ENV = ("auto", "pallas", "triton", "cublaslt"), "MOEJAX_W8A8_DENSE_KERNEL"
 MLA_KERNELS, MLA_KERNEL_ENV = ("auto", "pallas", "triton", "mgpu"), "MOEJAX_MLA_KERNEL"
+MFA_KERNELS, MFA_KERNEL_ENV = ("auto", "pallas", "mgpu"), "MOEJAX_MFA_KERNEL"
 _FUSE_SHARED: contextvars.ContextVar[str] = contextvars.ContextVar("moejax_fuse_shared", default="auto")
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))  # the kernels' inputs
 

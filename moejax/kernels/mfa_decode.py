@@ -3,6 +3,10 @@
 (paged_decode.params), or XLA's gather path (``xla``; grouped K/V heads always). ``plan`` decides once
 from the shapes, the cache dtype and the platform; ``run`` computes its path.
 
+The Mosaic GPU kernel (pallas_kernels/mgpu_mla_decode.mgpu_mfa_decode: the MLA kernel's design on MFA's
+row) runs where ``mfa_kernel=mgpu`` forces it and the shapes fit (Hopper, bf16 cache, 64-head multiples);
+not the default until measured on a GPU (benchmarks/2026-12-07g/gpu1.sh: not yet run).
+
 Measured: BENCHMARKS.md, "MLA and MFA decode kernels" (H200, Step3's 64 heads x 256, context 4096: the
 gather tile with 32-head blocks 1.77x XLA at batch 256, benchmarks/2026-12-03b/kernels_mfa_gather_sweep.txt).
 """
@@ -12,20 +16,43 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.kernels import paged_decode
-from moejax.kernels.common import Plan, einsum_f32, plan_reason, triton_dim, want_kernel
+from moejax.kernels import common, paged_decode
+from moejax.kernels.common import MFA_KERNEL_ENV, MFA_KERNELS, Plan, einsum_f32, plan_reason, triton_dim, want_kernel
 from moejax.kernels.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
+from moejax.kernels.mla_decode import mgpu_params
+from pallas_kernels import mgpu_mla_decode as mgpu
 from pallas_kernels.paged_decode_attention import paged_decode_attention
+
+
+def mfa_kernel() -> str:
+    """Which kernel runs MFA decode on a GPU: "pallas" (the gather tile; the Mosaic GPU kernel is not the
+    default until measured), or what the ``mfa_kernel`` setting (``MOEJAX_MFA_KERNEL``) forces: pallas or
+    mgpu (where ``mgpu_fits``)."""
+    want = common.override("mfa_kernel", MFA_KERNEL_ENV, MFA_KERNELS)
+    return "pallas" if want == "auto" else want
+
+
+def mgpu_fits(heads: int, head_dim: int, block_size: int, cache_dtype) -> bool:
+    """The Mosaic GPU kernel's shapes (mgpu_mla_decode.check_shapes; MFA over bf16 only), where jax has it."""
+    if jnp.dtype(cache_dtype) != jnp.dtype(jnp.bfloat16) or not mgpu.available()[0]:
+        return False
+    try:
+        mgpu.check_shapes(heads, head_dim, 0, 64, block_size, cache_dtype, jnp.bfloat16)
+    except ValueError:
+        return False
+    return True
 
 
 def plan(batch: int, heads: int, head_dim: int, groups: int, max_len: int, block_size: int, cache_dtype,
          mode: str | None = None) -> Plan:
-    """"pallas" with its tiling, or "xla"."""
+    """"mgpu" (forced by ``mfa_kernel``, where it fits) or "pallas" with its tiling, or "xla"."""
     use, forced = want_kernel(mode)
     if not use:
         return Plan("xla", reason="mode or platform")
     if groups != 1:
         return Plan("xla", reason="the kernel reads one K/V head per row; grouped K/V heads use XLA")
+    if mfa_kernel() == "mgpu" and mgpu_fits(heads, head_dim, block_size, cache_dtype):
+        return Plan("mgpu", mgpu_params(batch, heads, max_len), plan_reason(forced))
     if not forced and not triton_dim(head_dim):
         return Plan("xla", reason="head_dim not a power of two >= 16 (Triton blocks)")
     if not forced and paged_decode.slow_fp8(heads, cache_dtype):
@@ -39,6 +66,9 @@ def run(q, cache, block_tables, seq_lens, block_size: int, scale: float, num_kv_
     block_tables [B, nb], seq_lens [B] (>= 1) -> context [B, nh, D] in ``out_dtype`` (default float32)."""
     B, H, D = q.shape
     pl = plan(B, H, D, num_kv_heads, block_tables.shape[1] * block_size, block_size, cache.dtype, mode)
+    if pl.path == "mgpu":
+        return mgpu.mgpu_mfa_decode(q, cache, block_tables, seq_lens, block_size=block_size, scale=float(scale),
+                                    layer=layer, out_dtype=out_dtype, **pl.params)
     if pl.path == "pallas":
         return paged_decode_attention(q, None, cache, block_tables, seq_lens, block_size=block_size,
                                       scale=float(scale), layer=layer, v_offset=D, out_dtype=out_dtype, **pl.params)
