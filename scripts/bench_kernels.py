@@ -38,9 +38,9 @@ from pallas_kernels.fused_moe import fused_moe  # noqa: E402
 from pallas_kernels.jax_triton_compat import available as triton_available  # noqa: E402
 from pallas_kernels.triton_block_fp8 import fused_moe_triton  # noqa: E402
 from pallas_kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
-from pallas_kernels.mgpu_mla_decode import available as mgpu_available  # noqa: E402
-from pallas_kernels.mgpu_mla_decode import fp8_row_dim, mgpu_mla_decode  # noqa: E402
-from pallas_kernels.mgpu_mla_decode import heads_a_cta as mgpu_heads_a_cta  # noqa: E402
+from pallas_kernels.mgpu_decode_attention import available as mgpu_available  # noqa: E402
+from pallas_kernels.mgpu_decode_attention import fp8_row_dim, mgpu_mla_decode  # noqa: E402
+from pallas_kernels.mgpu_decode_attention import heads_a_cta as mgpu_heads_a_cta  # noqa: E402
 from pallas_kernels.triton_mla_decode import triton_mla_decode  # noqa: E402
 
 BF16 = jnp.bfloat16

@@ -137,10 +137,10 @@ def test_mla_on_hopper_takes_the_mosaic_gpu_kernel_for_bf16_caches(monkeypatch):
     """The rule added 2026-12-07f (outside the recorded grid, whose CPU-simulated cases see no Hopper): on a
     Hopper GPU, MLA decode over a bf16 cache with a multiple of 64 heads runs mgpu_mla_decode (its splits
     filling the GPU at small batch); an FP8 cache keeps Triton; 16 heads keep Pallas; an override still wins."""
-    from pallas_kernels import mgpu_mla_decode
+    from pallas_kernels import mgpu_decode_attention
     monkeypatch.setattr(common, "platform", lambda: "cuda")
     monkeypatch.setattr(common, "hopper", lambda: True)
-    monkeypatch.setattr(mgpu_mla_decode, "available", lambda: (True, ""))
+    monkeypatch.setattr(mgpu_decode_attention, "available", lambda: (True, ""))
     monkeypatch.setattr(jax_triton_compat, "available", lambda: (True, ""))
     monkeypatch.delenv(common.MLA_KERNEL_ENV, raising=False)
     bf16, fp8 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn)

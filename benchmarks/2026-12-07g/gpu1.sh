@@ -14,7 +14,7 @@ SECS="--section SpeedOfLight --section WarpStateStats --section SchedulerStats -
 #    x 197 / 512 x 2048 FP8 against Triton (selected now) and bf16 mgpu, in one run; ncu of the bf16 kernel at 512.
 GD='[{"kernel":["triton"]},{"kernel":["mgpu"],"block_t":[64],"num_stages":[2],"num_splits":[1]}]'
 if [ "$PH" = d ]; then
-run pytest 120 env JAX_PLATFORMS=cuda python3 -m pytest -q -n0 -p no:cacheprovider -o addopts="" tests/test_mgpu_mla_decode.py
+run pytest 120 env JAX_PLATFORMS=cuda python3 -m pytest -q -n0 -p no:cacheprovider -o addopts="" tests/test_mgpu_decode_attention.py
 run mla128fp8 170 python3 scripts/bench_kernels.py --only mla --batch 197 512 --context 2048 --heads 128 --kv fp8 bf16 --sweep --sweep-kv fp8 --grid "$GD"
 run ncu_bf16 120 $NCU $SECS python3 benchmarks/2026-12-07g/mgpu_ncu.py 512 bf16
 grep -q "No kernels were profiled" $R/ncu_bf16.txt && run ncu_names 90 ncu --clock-control none --launch-count 15 --section LaunchStats python3 benchmarks/2026-12-07g/mgpu_ncu.py 64 bf16

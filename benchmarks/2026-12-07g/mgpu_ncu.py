@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.kernels.kv_quant import cache_row_dim, quantize_rows
-from pallas_kernels.mgpu_mla_decode import fp8_row_dim, mgpu_mla_decode
+from pallas_kernels.mgpu_decode_attention import fp8_row_dim, mgpu_mla_decode
 
 B, KV = int(sys.argv[1]), sys.argv[2]
 H, C, R, bs, ctx = 128, 512, 64, 64, 2048

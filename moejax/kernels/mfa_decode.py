@@ -3,7 +3,7 @@
 (paged_decode.params), or XLA's gather path (``xla``; grouped K/V heads always). ``plan`` decides once
 from the shapes, the cache dtype and the platform; ``run`` computes its path.
 
-The Mosaic GPU kernel (pallas_kernels/mgpu_mla_decode.mgpu_mfa_decode: the MLA kernel's design on MFA's
+The Mosaic GPU kernel (pallas_kernels/mgpu_decode_attention.mgpu_mfa_decode: the MLA kernel's design on MFA's
 row) runs where ``mfa_kernel=mgpu`` forces it and the shapes fit (Hopper, bf16 cache, 64-head multiples);
 not the default until measured on a GPU (benchmarks/2026-12-07g/gpu1.sh: not yet run).
 
@@ -20,7 +20,7 @@ from moejax.kernels import common, paged_decode
 from moejax.kernels.common import MFA_KERNEL_ENV, MFA_KERNELS, Plan, einsum_f32, plan_reason, triton_dim, want_kernel
 from moejax.kernels.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
 from moejax.kernels.mla_decode import mgpu_params
-from pallas_kernels import mgpu_mla_decode as mgpu
+from pallas_kernels import mgpu_decode_attention as mgpu
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 
 
@@ -33,7 +33,7 @@ def mfa_kernel() -> str:
 
 
 def mgpu_fits(heads: int, head_dim: int, block_size: int, cache_dtype) -> bool:
-    """The Mosaic GPU kernel's shapes (mgpu_mla_decode.check_shapes; MFA over bf16 only), where jax has it."""
+    """The Mosaic GPU kernel's shapes (mgpu_decode_attention.check_shapes; MFA over bf16 only), where jax has it."""
     if jnp.dtype(cache_dtype) != jnp.dtype(jnp.bfloat16) or not mgpu.available()[0]:
         return False
     try:

@@ -23,7 +23,7 @@ from moejax.kernels import common, paged_decode
 from moejax.kernels.common import (MLA_KERNEL_ENV, MLA_KERNELS, Plan, einsum_f32, plan_reason, pow2, triton_dim,
                                    want_kernel)
 from moejax.kernels.kv_quant import as_model_dtype, dequantize_rows, is_fp8_cache
-from pallas_kernels import jax_triton_compat, mgpu_mla_decode as mgpu
+from pallas_kernels import jax_triton_compat, mgpu_decode_attention as mgpu
 from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.triton_mla_decode import triton_mla_decode
 
@@ -47,10 +47,10 @@ def mla_kernel(heads: int, latent: int, rope: int, cache_dtype, rows: int = 1) -
 
 
 def mgpu_fits(heads: int, latent: int, rope: int, cache_dtype, block_size: int = 16, rows: int = 1) -> bool:
-    """The Mosaic GPU kernel's shapes (pallas_kernels/mgpu_mla_decode.check_shapes): 64-head CTAs over a bf16
+    """The Mosaic GPU kernel's shapes (pallas_kernels/mgpu_decode_attention.check_shapes): 64-head CTAs over a bf16
     cache, pages that tile its 64 tokens. Not FP8 caches yet: on jax 0.11.2 Mosaic tiles the rows' copies in
     128 bytes, which kv_quant's 592-byte rows are not (BENCHMARKS.md, 2026-12-07f); the kernel takes rows padded
-    to 640 (mgpu_mla_decode.fp8_row_dim), not yet run on a GPU, and the cache keeps kv_quant's rows until it is."""
+    to 640 (mgpu_decode_attention.fp8_row_dim), not yet run on a GPU, and the cache keeps kv_quant's rows until it is."""
     if paged_decode.fp8_cache(cache_dtype):
         return False
     try:

@@ -1,6 +1,8 @@
-"""Absorbed-MLA decode attention over the paged latent cache for Hopper, in Pallas on Mosaic GPU
-(TMA copies, wgmma, warp specialisation): DeepSeek-V3's 128 heads, where decode attention is
-compute-bound and the Triton / Pallas-Triton kernels stopped at about half of the floor.
+"""Decode attention over the paged cache for Hopper in Pallas on Mosaic GPU (TMA copies, wgmma, warp
+specialisation): absorbed MLA (``mgpu_mla_decode``: DeepSeek-V3's 128 heads, where decode attention is
+compute-bound and the Triton / Pallas-Triton kernels stopped at about half of the floor), and Step3's MFA
+(``mgpu_mfa_decode``) on the same design: one kernel over a ``_Layout`` (which column blocks a tile copies,
+which each compute warpgroup contracts and multiplies).
 
 Same contract as ``triton_mla_decode`` (flash-decoding: the context cut into splits, combined by
 ``combine_splits``). A CTA takes 64 heads of one sequence and one split, in three warpgroups:
@@ -19,12 +21,17 @@ Shared memory at 64 tokens a tile, 2 slots: the query's latent 64 KB + tiles 144
 16 KB = 224.3 KB of Hopper's 227; the query's rope part is staged through a tile slot into warpgroup 0's
 registers (wgmma takes its left operand from registers), and the partials take turns in one buffer.
 Exactness: against float64 NumPy in Mosaic GPU's interpreter on CPU and on the device
-(tests/test_mgpu_mla_decode.py). CUDA (sm_90) only: ROCm keeps the Triton route.
+(tests/test_mgpu_decode_attention.py). CUDA (sm_90) only: ROCm keeps the Triton route.
 
 FP8 caches (kv_quant rows, padded to whole 128-byte tiles: ``fp8_row_dim``): one slot of raw rows, widened
 to bf16 tiles by the compute warpgroups (exact) and freed at once for the next copy; the row scale
 applied to the scores and the probabilities. Runs in the interpreter and lowers for CUDA; not yet run on a
-GPU, so the selection keeps Triton for FP8 caches. Measured: BENCHMARKS.md 2026-12-07f.
+GPU, so the selection keeps Triton for FP8 caches. Query rows a sequence (the speculative verify): a CTA's 64
+wgmma rows as Q rows x 64/Q heads (``heads_a_cta``), causal among them, the context read once.
+
+MFA (rows [k | v], one K/V head): four blocks (the key's and the value's halves), warpgroup w contracts the
+key's half w and multiplies the value's half w; 32 KB of query + 128 KB of tiles + 16 KB = 176 KB.
+Measured: BENCHMARKS.md 2026-12-07f (MLA bf16; FP8, rows together and MFA not yet run on a GPU).
 """
 
 from __future__ import annotations

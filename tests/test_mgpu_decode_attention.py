@@ -1,8 +1,8 @@
-"""The Mosaic GPU MLA decode kernel (pallas_kernels/mgpu_mla_decode.py) against float64 NumPy attention
+"""The Mosaic GPU MLA decode kernel (pallas_kernels/mgpu_decode_attention.py) against float64 NumPy attention
 over what the cache holds: on CPU in Mosaic GPU's interpreter (its TMA copies, barriers and the two
 compute warpgroups' exchange simulated; the products there are jnp.dot of the same tiles: the
 interpreter takes no transposed or register wgmma operands), on a Hopper GPU compiled (``pytest
-tests/test_mgpu_mla_decode.py`` on the device machine, DeepSeek-V3's shapes).
+tests/test_mgpu_decode_attention.py`` on the device machine, DeepSeek-V3's shapes).
 
 Seeds from the per-test seed (conftest; MOEJAX_TEST_SEED replays a failure)."""
 
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.mgpu_mla_decode import fp8_row_dim, mgpu_mfa_decode, mgpu_mla_decode, smem_bytes
+from pallas_kernels.mgpu_decode_attention import fp8_row_dim, mgpu_mfa_decode, mgpu_mla_decode, smem_bytes
 from test_kernels import BF16, fresh_key_seed, mfa_reference, mla_inputs, mla_reference, rel_err, stored_cache
 
 ON_HOPPER = jax.default_backend() == "gpu" and "H100" in jax.devices()[0].device_kind or \
@@ -126,7 +126,7 @@ def test_lowers_for_cuda_at_deepseek_shapes(kv, splits, monkeypatch):
     this machine: lowered for CUDA, not compiled or run (the device test does that)."""
     import functools
 
-    import pallas_kernels.mgpu_mla_decode as m
+    import pallas_kernels.mgpu_decode_attention as m
     monkeypatch.setattr(m, "platform", lambda: "cuda")
     B, H, C, R, bs, nb = 2, 128, 512, 64, 16, 8
     cache = jax.ShapeDtypeStruct((1, B * nb * bs, 576 if kv == "bf16" else fp8_row_dim(C + R)),
@@ -198,7 +198,7 @@ def test_mfa_bad_arguments_and_lowering(monkeypatch):
     """The MFA entry's refusals, and Mosaic GPU's lowering at Step3's shapes (64 heads x 256, rows [k | v])."""
     import functools
 
-    import pallas_kernels.mgpu_mla_decode as m
+    import pallas_kernels.mgpu_decode_attention as m
     q, bt, lens = jnp.ones((1, 64, 256), BF16), jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
     kw = dict(block_size=16, scale=0.1, layer=0, interpret=True)
     with pytest.raises(ValueError, match="cache dtype"):
