@@ -39,7 +39,7 @@ from pallas_kernels.jax_triton_compat import available as triton_available  # no
 from pallas_kernels.triton_block_fp8 import fused_moe_triton  # noqa: E402
 from pallas_kernels.paged_decode_attention import paged_decode_attention  # noqa: E402
 from pallas_kernels.mgpu_decode_attention import available as mgpu_available  # noqa: E402
-from pallas_kernels.mgpu_decode_attention import fp8_row_dim, mgpu_mla_decode  # noqa: E402
+from pallas_kernels.mgpu_decode_attention import fp8_row_dim, mgpu_mfa_decode, mgpu_mla_decode  # noqa: E402
 from pallas_kernels.mgpu_decode_attention import heads_a_cta as mgpu_heads_a_cta  # noqa: E402
 from pallas_kernels.triton_mla_decode import triton_mla_decode  # noqa: E402
 
@@ -287,7 +287,8 @@ MFA_GRID = [{"tile": ["gather"], "block_h": [16, 32], "block_t": [32, 64], "num_
 
 def run_mfa(batches, ctx, bw, rate, sweep, smoke, interpret, grid=None):
     """Step3 MFA decode attention: 64 query heads against one 256-dim K/V head per token, XLA path
-    and the Pallas pages kernel (values at column 256), against the bytes it must read (the batch's
+    and the Pallas kernel (values at column 256; a grid entry {"kernel": ["mgpu"], ...}: the Mosaic GPU
+    kernel), against the bytes it must read (the batch's
     [k|v] rows, once) and its FLOPs."""
     nh, D, bs = (16, 16, 4) if smoke else (64, 256, 16)
     print(f"\n== Step3 MFA decode attention, {nh} heads x {D}, 1 KV head, context {ctx}, bf16 cache ==")
@@ -309,8 +310,14 @@ def run_mfa(batches, ctx, bw, rate, sweep, smoke, interpret, grid=None):
             p = mfa_decode.plan(B, nh, D, 1, nb * bs, bs, cache.dtype).params
         configs = [p] + ([dict(p, **g) for g in expand(grid or MFA_GRID)] if sweep else [])
         for i, c in enumerate(configs):
-            kw = dict(block_size=bs, scale=D ** -0.5, layer=0, v_offset=D, **c, interpret=interpret)
-            f = jax.jit(lambda q, c_, t, l, kw=kw: paged_decode_attention(q, None, c_, t, l, **kw))
+            if c.get("kernel") == "mgpu":  # the Mosaic GPU kernel (grid {"kernel": ["mgpu"], ...}): its own params
+                c = {k: v for k, v in c.items() if k in ("kernel", "block_t", "num_stages", "num_splits")}
+                kw = dict(block_size=bs, scale=D ** -0.5, layer=0, interpret=interpret,
+                          **{k: v for k, v in c.items() if k != "kernel"})
+                f = jax.jit(functools.partial(mgpu_mfa_decode, **kw))
+            else:
+                kw = dict(block_size=bs, scale=D ** -0.5, layer=0, v_offset=D, **c, interpret=interpret)
+                f = jax.jit(lambda q, c_, t, l, kw=kw: paged_decode_attention(q, None, c_, t, l, **kw))
             try:
                 t_p = bench(f, q, cache, tables, lens)
             except Exception as e:

@@ -22,6 +22,8 @@ run ncu_fp8 120 $NCU $SECS python3 benchmarks/2026-12-07g/mgpu_ncu.py 512 fp8
 # the speculative verify's Q rows a sequence together in the Mosaic GPU kernel (Q x 64/Q heads a CTA, the
 # context read once) against Triton's rows together and the per-row kernel selected now
 run mla128rows 240 python3 scripts/bench_kernels.py --only mla --batch 64 197 --context 2048 --heads 128 --kv bf16 fp8 --rows 2 3 4
+# Step3's MFA on the Mosaic GPU kernel against the Pallas kernel selected now and XLA (context 4096)
+run mfa 150 python3 scripts/bench_kernels.py --only mfa --batch 32 64 256 --sweep --grid '[{"kernel":["mgpu"],"block_t":[64],"num_stages":[2],"num_splits":[1,2,4]}]'
 fi
 # e (issue 42): what a V2-Lite decode program's XLA build (12.26 s at 27 layers in 2026-12-07f, superlinear in
 #    layers: 2 / 4 layers 1.68 / 1.88 s) spends, by XLA flags, each with the step it builds timed (B = 256,
