@@ -58,15 +58,16 @@ def test_interpreter_matches_reference(kv, lens, block_t, splits):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter run (CPU); the GPU runs the compiled test")
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-@pytest.mark.parametrize("rows,lens,splits", [
-    (2, [[36, 37], [1, 2]], 1),          # 32 heads a CTA; a row of one token
-    (3, [[126, 127, 128], [19, 20, 21]], 3),  # 16 heads, 48 of the 64 wgmma rows; splits, a row's end at a split's
-    (4, [[61, 62, 63, 64], [5, 6, 7, 8]], 2),  # 16 heads, the 64 rows; a row's end on the tile boundary
+@pytest.mark.parametrize("kv,rows,heads,lens,splits", [
+    ("bf16", 2, 32, [[36, 37], [1, 2]], 1),   # 32 heads a CTA; a row of one token
+    ("fp8", 2, 32, [[36, 37], [1, 2]], 1),
+    ("fp8", 3, 16, [[63, 64, 65], [19, 20, 21]], 2),  # 16 heads, 48 of the 64 wgmma rows; ends on a tile / split
+    ("bf16", 4, 16, [[61, 62, 63, 64], [5, 6, 7, 8]], 1),  # 16 heads, the 64 rows
 ])
-def test_interpreter_rows_together(kv, rows, lens, splits):
-    """The speculative verify's rows a sequence in one CTA (the context read once): causal among them."""
-    _check(kv, B=2, H=64, C=128, R=64, block_size=16, nb=8, lens=lens, block_t=64, stages=2, splits=splits,
+def test_interpreter_rows_together(kv, rows, heads, lens, splits):
+    """The speculative verify's rows a sequence in one CTA (the context read once): causal among them (one
+    CTA a sequence and split here, to keep the interpreter's run short)."""
+    _check(kv, B=2, H=heads, C=128, R=64, block_size=16, nb=8, lens=lens, block_t=64, stages=2, splits=splits,
            interpret=True, rows=rows)
 
 
@@ -80,6 +81,18 @@ def test_interpreter_rows_together(kv, rows, lens, splits):
 def test_device_matches_reference(kv, B, H, nb, lens, block_t, stages, splits):
     _check(kv, B=B, H=H, C=512, R=64, block_size=16, nb=nb, lens=lens, block_t=block_t, stages=stages, splits=splits,
            interpret=False)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="compiled for sm_90 (an H100 or H200)")
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("rows,lens,splits", [
+    (2, [[332, 333], [1, 2]], 1),
+    (3, [[1022, 1023, 1024], [75, 76, 77]], 4),
+    (4, [[61, 62, 63, 64], [637, 638, 639, 640]], 2),
+])
+def test_device_rows_together(kv, rows, lens, splits):
+    _check(kv, B=2, H=128, C=512, R=64, block_size=16, nb=64, lens=lens, block_t=64, stages=2, splits=splits,
+           interpret=False, rows=rows)
 
 
 def test_bad_arguments_name_the_field():
