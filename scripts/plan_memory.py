@@ -40,10 +40,14 @@ def main(argv=None):
     ap.add_argument("--input-len", type=int, default=2000)
     ap.add_argument("--output-len", type=int, default=100)
     ap.add_argument("--concurrency", type=int, default=4096, help="the workload to check (sequences per node)")
+    ap.add_argument("--cache-row-dim", type=int, default=None,
+                    help="a cache row's width in elements where it is not kv_quant's (the engine's rule, "
+                         "decode_tables.cache_row_dim: 640 for DeepSeek-V3's FP8 rows where the Hopper Mosaic GPU "
+                         "MLA kernel reads them; 592 elsewhere)")
     a = ap.parse_args(argv)
     r = plan(preset(a.preset), None if a.parallel == "none" else a.parallel, a.weight_dtype, a.gpu_memory,
              a.gpu_memory_utilization, a.reserve_gb, a.kv_cache_dtype, a.input_len, a.output_len,
-             fp8_layers=a.fp8_layers)
+             fp8_layers=a.fp8_layers, cache_row=a.cache_row_dim)
     print(f"{a.preset} ({r['model_type']}, {r['layers']} layers), {a.parallel} ({r['ranks']} GPUs), "
           f"{a.weight_dtype} weights (FP8 layers: {', '.join(r['fp8_layers']) or 'none'}), "
           f"KV cache {a.kv_cache_dtype}")

@@ -434,6 +434,42 @@ def test_engine_runs_with_fp8_cache_and_kernels(tiny_bf16):
         moejax.load(tiny_bf16, kv_cache_dtype="int8", progress=False)
 
 
+def test_fp8_cache_rows_padded_for_the_mosaic_gpu_kernel(tiny_bf16, monkeypatch):
+    """decode_tables.cache_row_dim: kv_quant's row, or whole 128-byte tiles where MLA decode over FP8 runs the
+    Mosaic GPU kernel; an engine over rows padded so serves the same greedy tokens and logprobs (every reader
+    takes the values and scale at their columns), through the XLA path and the Pallas kernels alike."""
+    import moejax
+    from moejax.kernels import decode_tables
+    from moejax.kernels.common import Plan
+    from moejax.models.registry import parse_model_config
+    from moejax.tiny.presets import preset
+    cfg = parse_model_config(preset("deepseek-v3"))
+    assert decode_tables.cache_row_dim(cfg, "fp8") == 592 and decode_tables.cache_row_dim(cfg, "auto") == 576
+    real_plan = mla_decode.plan
+    monkeypatch.setattr(mla_decode, "plan", lambda *a, **k: Plan("mgpu") if jnp.dtype(a[6]) == jnp.dtype(
+        jnp.float8_e4m3fn) else real_plan(*a, **k))
+    assert decode_tables.cache_row_dim(cfg, "fp8") == 640 and decode_tables.cache_row_dim(cfg, "auto") == 576
+    monkeypatch.setattr(mla_decode, "plan", real_plan)
+
+    def run(kernels, padded):
+        if padded:
+            monkeypatch.setattr(decode_tables, "cache_row_dim", lambda c, dt, mode="auto": 128 if dt == "fp8" else
+                                c.kv_cache_dim)
+        m = moejax.load(tiny_bf16, kernels=kernels, dtype="bfloat16", max_model_len=64, max_num_seqs=2,
+                        block_size=8, num_kv_blocks=16, progress=False, kv_cache_dtype="fp8")
+        assert m.engine.runner.cache.shape[-1] == (128 if padded else 64)  # (the engine is made when first asked)
+        monkeypatch.undo()
+        out = moejax.generate(m, [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4]], max_new_tokens=4, ignore_eos=True,
+                              logprobs=True)
+        return [(o.token_ids, o.logprobs) for o in out]
+
+    for kernels in ("xla", "pallas"):
+        want, got = run(kernels, False), run(kernels, True)
+        for (wt, wl), (gt, gl) in zip(want, got):
+            assert gt == wt
+            np.testing.assert_allclose(gl, wl, atol=1e-5)
+
+
 def test_bench_kernels_script_smoke():
     """scripts/bench_kernels.py --smoke (tiny shapes, interpret mode): a timing script, so the check is
     that every kernel section runs with no config failing and a selected row each."""

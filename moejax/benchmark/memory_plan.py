@@ -32,7 +32,10 @@ def _param_bytes(hf_json: str, weight_dtype: str, fp8_layers: str) -> tuple:
 
 def plan(hf: dict, parallel: str | None, weight_dtype: str, gpu_memory_gb: float, utilization: float,
          reserve_gb: float, kv_cache_dtype: str, input_len: int, output_len: int, block_size: int = 16,
-         fp8_layers: str = "default") -> dict:
+         fp8_layers: str = "default", cache_row: int | None = None) -> dict:
+    """``cache_row``: a cache row's width in elements where it is not kv_quant's (the engine's own rule,
+    decode_tables.cache_row_dim, depends on the device it runs on: 640 for DeepSeek-V3's FP8 rows where the
+    Mosaic GPU kernel reads them)."""
     cfg = parse_model_config(hf)
     pc = ParallelConfig.load(parallel) if parallel else None
     n = pc.num_ranks if pc else 1
@@ -47,7 +50,7 @@ def plan(hf: dict, parallel: str | None, weight_dtype: str, gpu_memory_gb: float
     weights = sum(per_gpu.values())
     usable = gpu_memory_gb * GB * utilization - reserve_gb * GB
     kv_free = usable - weights
-    row = cache_row_dim(cfg.kv_cache_dim, kv_cache_dtype) * (1 if kv_cache_dtype == "fp8" else 2)
+    row = (cache_row or cache_row_dim(cfg.kv_cache_dim, kv_cache_dtype)) * (1 if kv_cache_dtype == "fp8" else 2)
     per_token = cfg.num_hidden_layers * row
     tokens = max(int(kv_free // per_token), 0)
     seq_blocks = -(-(input_len + output_len) // block_size)

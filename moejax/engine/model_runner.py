@@ -45,7 +45,7 @@ from moejax.engine.sample_controls import ControlState, history_bytes
 from moejax.engine.speculative import SpecDecoder
 from moejax.engine.step_arrays import StepArrays, StepOutput, gather, prompt_logprob_plan
 from moejax.layers.forward_batch import ForwardBatch
-from moejax.kernels.kv_quant import cache_array_dtype, cache_row_dim, stored_row_dim
+from moejax.kernels.kv_quant import cache_array_dtype
 from moejax.layers.sampler import SampleMode, read_history, record, sample
 from moejax.parallel.processes import agree_min, to_host
 from moejax.parallel.sharding import RANK, REPLICATED, param_specs
@@ -65,7 +65,7 @@ def default_num_blocks(config: EngineConfig) -> int:
     """KV blocks per rank: all of max_num_seqs at max_model_len, capped by device memory: what is left of
     gpu_memory_utilization x the device's memory after what is in use (the weights) and a reserve."""
     cfg, cache, sched = config.model, config.cache, config.scheduler
-    row_bytes = (cache_row_dim(cfg.kv_cache_dim, cache.kv_cache_dtype)
+    row_bytes = (decode_tables.cache_row_dim(cfg, cache.kv_cache_dtype, config.kernels)
                  * cache_array_dtype(cache.kv_cache_dtype, config.dtype, config.kernels).itemsize)
     per_block = config.num_cache_layers * cache.block_size * row_bytes
     per_seq = -(-sched.max_model_len // cache.block_size)
@@ -146,7 +146,8 @@ class ModelRunner:
         kv_dtype = cache_array_dtype(config.cache.kv_cache_dtype, config.dtype, config.kernels)
         # FP8 rows carry their scale (kernels/kv_quant.py).
         # With speculative decoding the MTP layer has a cache layer of its own (index num_hidden_layers).
-        shape = (self.num_ranks, config.num_cache_layers, self.num_slots, stored_row_dim(cfg.kv_cache_dim, kv_dtype))
+        shape = (self.num_ranks, config.num_cache_layers, self.num_slots,
+                 decode_tables.cache_row_dim(cfg, config.cache.kv_cache_dtype, config.kernels))
         if mesh is None:
             self.cache = jnp.zeros(shape, kv_dtype)
         else:

@@ -50,7 +50,8 @@ def mgpu_fits(heads: int, latent: int, rope: int, cache_dtype, block_size: int =
     """The Mosaic GPU kernel's shapes (pallas_kernels/mgpu_decode_attention.check_shapes): 64-head CTAs over a bf16
     cache, pages that tile its 64 tokens. Not FP8 caches yet: on jax 0.11.2 Mosaic tiles the rows' copies in
     128 bytes, which kv_quant's 592-byte rows are not (BENCHMARKS.md, 2026-12-07f); the kernel takes rows padded
-    to 640 (mgpu_decode_attention.fp8_row_dim), not yet run on a GPU, and the cache keeps kv_quant's rows until it is."""
+    to 640 (mgpu_decode_attention.fp8_row_dim), not yet run on a GPU; where this admits FP8, the engine allocates
+    such rows (decode_tables.cache_row_dim follows this plan)."""
     if paged_decode.fp8_cache(cache_dtype):
         return False
     try:
