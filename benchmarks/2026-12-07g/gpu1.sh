@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# GPU calls (2026-12-07g). From gpusnap/ (a snapshot of HEAD): bash benchmarks/2026-12-07g/gpu1.sh PHASE
+# GPU calls (2026-12-07g; no device was lent that session: none of this has run yet). From gpusnap/ (a snapshot
+# of HEAD): bash benchmarks/2026-12-07g/gpu1.sh PHASE. Order: d (issue 40's kernels), e (issue 42: a decode
+# program's XLA build by flags), then issues 42/43 served: WARM=1 bash benchmarks/2026-12-07g/serve_gpu.sh cold
+# (~8 min: its own call), then ... cached (~4 min).
 set -u
 PH=${1:-d}
 R=/tmp/r; mkdir -p $R; OUT0=$OUT
