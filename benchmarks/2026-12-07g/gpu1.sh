@@ -41,3 +41,15 @@ for V in default autotune0 nolhs both noremat; do
   run xla_$V 120 env XLA_FLAGS="$F" python3 scripts/bench_decode.py --preset deepseek-v2-lite --concurrency 256 --input-len 2000 --output-len 16 --steps 10 --warmup 2 --fill random --kv-dtype fp8 --kernels auto --compile-time
 done
 fi
+# f (issue 40): the speculative verify through the Mosaic GPU kernel with a sequence's rows together
+#    (MOEJAX_MLA_KERNEL=mgpu) against the rows each on their own (auto: mgpu per row), bf16 cache, 4 and 2
+#    layers + MTP, k = 0 / 1 (the depth projection from the pair); Step3's 4-layer step with MFA on the
+#    Mosaic GPU kernel (MOEJAX_MFA_KERNEL=mgpu) against the Pallas one.
+if [ "$PH" = f ]; then
+for K in mgpu auto; do
+run spec_$K 280 env MOEJAX_MLA_KERNEL=$K python3 scripts/bench_spec_decode.py --preset deepseek-v3-ep8-rank --layers 2,4 --batch 16,64,197 --k 0,1 --input-len 2000 --kv-dtype bf16 --json $R/spec_$K.json
+done
+for K in mgpu pallas; do
+run step3_$K 120 env MOEJAX_MFA_KERNEL=$K python3 scripts/bench_decode.py --preset step3-ep8-rank --layers 4 --concurrency 64 --input-len 4096 --fill random --kernels auto --steps 10
+done
+fi
