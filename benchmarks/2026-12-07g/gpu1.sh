@@ -31,10 +31,12 @@ fi
 # e (issue 42): what a V2-Lite decode program's XLA build (12.26 s at 27 layers in 2026-12-07f, superlinear in
 #    layers: 2 / 4 layers 1.68 / 1.88 s) spends, by XLA flags, each with the step it builds timed (B = 256,
 #    context 2000, FP8 KV, kernels auto): default; GEMM autotuning off; the latency-hiding scheduler off (one
-#    GPU: no collective to hide); both; rematerialisation off.
+#    GPU: no collective to hide); XLA's Triton GEMM fusions off (cuBLAS only: no Triton GEMM autotuning); both
+#    of the first two; rematerialisation off.
 if [ "$PH" = e ]; then
-for V in default autotune0 nolhs both noremat; do
+for V in default autotune0 notritongemm nolhs both noremat; do
   case $V in default) F="";; autotune0) F="--xla_gpu_autotune_level=0";;
+    notritongemm) F="--xla_gpu_enable_triton_gemm=false";;
     nolhs) F="--xla_gpu_enable_latency_hiding_scheduler=false";;
     both) F="--xla_gpu_autotune_level=0 --xla_gpu_enable_latency_hiding_scheduler=false";;
     noremat) F="--xla_disable_hlo_passes=rematerialization";; esac

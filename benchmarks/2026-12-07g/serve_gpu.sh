@@ -7,12 +7,14 @@
 # WARM=1 (2026-12-07g): a short run first (1024 prompts of 16 tokens, 100 out: every decode bucket, the
 # samplers and feeds executed once), to tell a first-execution cost (module loads, graphs) from the rest of
 # the first run's 15-20% (2026-12-07d: decode time 30.0 s in a server's first run, 9.7 s in its third).
+# XLA_EXTRA: more XLA flags for the server (e.g. --xla_gpu_autotune_level=0: what GEMM autotuning costs the
+# cold start, 1,199 s of builds summed in 2026-12-07d, and what it gains the workload).
 set -u
 PHASE=$1; PEN=${PEN:-1}; WARM=${WARM:-0}
 R=/tmp/s; mkdir -p $R; OUT0=$OUT
 pack() { tar czf $OUT0/s.tgz -C /tmp s; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../.whl/*.whl || exit
-export PYTHONPATH=/tmp/site:$PWD MOEJAX_PALLAS_INTERPRET=0 PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_disable_hlo_passes=rematerialization
+export PYTHONPATH=/tmp/site:$PWD MOEJAX_PALLAS_INTERPRET=0 PYTHONUNBUFFERED=1 XLA_FLAGS="--xla_disable_hlo_passes=rematerialization ${XLA_EXTRA:-}"
 EXE=/tmp/moejax-exe; CC=/tmp/moejax-cc
 [ "$PHASE" = cold ] && rm -rf $EXE $CC
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > $R/gpu.txt
