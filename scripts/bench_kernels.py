@@ -224,7 +224,7 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
             f = jax.jit(functools.partial(fn, block_size=bs, scale=MLA_SCALE, layer=0, **c, interpret=interpret))
             rows = cache
             if kname == "mgpu" and kv == "fp8":  # its FP8 rows: kv_quant's, zero-padded to whole 128-byte tiles
-                rows = jnp.pad(cache, ((0, 0), (0, 0), (0, fp8_row_dim(C + R) - cache.shape[-1])))
+                rows = mgpu_fp8_rows(cache, C + R)
             try:
                 t_p = bench(f, ql, qr, rows, bt, lens)
             except Exception as e:
@@ -233,6 +233,11 @@ def run_mla_heads(H, batches, ctx, bw, rate, sweep, smoke, interpret, grid, kvs,
             kvb = B * ctx * row
             print(f"{kv:>5} {B:>4} {fl_t * 1e6:9.1f} {t_x * 1e6:9.1f} {t_p * 1e6:9.1f} {kvb / t_x / 1e12:8.2f} "
                   f"{kvb / t_p / 1e12:8.2f} {t_x / t_p:7.2f} {t_p / fl_t:9.2f}  {'selected' if i == 0 else ''} {kname} {c}")
+
+
+def mgpu_fp8_rows(cache, kv_dim: int):
+    """The Mosaic GPU kernel's FP8 rows: kv_quant's, zero-padded to whole 128-byte tiles (fp8_row_dim)."""
+    return jnp.pad(cache, ((0, 0), (0, 0), (0, fp8_row_dim(kv_dim) - cache.shape[-1])))
 
 
 def run_mla_rows(H, batches, ctx, rows, bw, rate, smoke, interpret, kvs):
@@ -261,9 +266,7 @@ def run_mla_rows(H, batches, ctx, rows, bw, rate, smoke, interpret, kvs):
             fg = jax.jit(functools.partial(triton_mla_decode, block_size=bs, scale=MLA_SCALE, layer=0,
                                            out_dtype=BF16, interpret=interpret, **tp))
             t_g = bench(fg, ql, qr, cache, bt, lens)
-            padded = cache
-            if kv == "fp8":  # the Mosaic GPU kernel's FP8 rows: kv_quant's, zero-padded to whole 128-byte tiles
-                padded = jnp.pad(cache, ((0, 0), (0, 0), (0, fp8_row_dim(C + R) - cache.shape[-1])))
+            padded = mgpu_fp8_rows(cache, C + R) if kv == "fp8" else cache
             t_m = float("nan")
             if mg and H % mgpu_heads_a_cta(Q) == 0:
                 fm = jax.jit(functools.partial(mgpu_mla_decode, block_size=bs, scale=MLA_SCALE, layer=0,

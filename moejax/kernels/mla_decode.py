@@ -149,8 +149,8 @@ def run(q_latent, q_rope, cache, block_tables, seq_lens, block_size: int, scale:
         if "rows" in pl.params:
             params = {k: v for k, v in pl.params.items() if k != "rows"}
             fn = mgpu.mgpu_mla_decode if pl.path == "mgpu" else triton_mla_decode
-            ctx = fn(q_latent.reshape(B, rows, H, C), q_rope.reshape(B, rows, H, R), cache,
-                                    block_tables, seq_lens.reshape(B, rows), **kw, **params)
+            ctx = fn(q_latent.reshape(B, rows, H, C), q_rope.reshape(B, rows, H, R), cache, block_tables,
+                     seq_lens.reshape(B, rows), **kw, **params)
             return ctx.reshape(N, H, C)
         block_tables = jnp.repeat(block_tables, rows, axis=0)
     pl = plan(N, H, C, R, max_len, block_size, cache.dtype, mode)
